@@ -1,0 +1,19 @@
+// The operator schemas, written once for every back end. Mutated arguments carry
+// (a!) annotations so that torch.compile and the dispatcher know what each op writes.
+#include <torch/library.h>
+
+TORCH_LIBRARY(hetcomm, m) {
+  // concat(src[k].flatten() * scale) cast to `dtype`, round-to-nearest-even, one pass.
+  m.def("pack(Tensor[] src, Tensor scale, ScalarType dtype) -> Tensor");
+  // The same into a caller's 1-D buffer; the wire dtype is out's dtype.
+  m.def("pack.out(Tensor[] src, Tensor scale, *, Tensor(a!) out) -> ()");
+  // dst[k] = cast(flat[segment k] * scale); found_inf = 1 if any written value is
+  // non-finite (never cleared); sq_norm += sum of squares of the written values.
+  m.def(
+      "unpack_(Tensor flat, Tensor(a!)[] dst, Tensor scale, Tensor(b!) found_inf, "
+      "Tensor(c!)? sq_norm=None) -> ()");
+  // GradScaler's unscale: found_inf = 1 if any input value is non-finite; t *= inv_scale.
+  m.def("unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf) -> ()");
+  // dst[k] = src[k] with a dtype conversion (master weights <-> model weights).
+  m.def("cast_(Tensor[] src, Tensor(a!)[] dst) -> ()");
+}

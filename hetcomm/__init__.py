@@ -1,0 +1,8 @@
+"""hetcomm: fused gradient-communication and mixed-precision kernels for data-parallel
+training on clusters of mixed, older NVIDIA GPUs."""
+
+from hetcomm._version import __version__
+from hetcomm.info import info
+from hetcomm.ops import cast_, pack, unpack_, unscale_
+
+__all__ = ["__version__", "info", "pack", "unpack_", "unscale_", "cast_"]

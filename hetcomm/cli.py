@@ -1,0 +1,21 @@
+"""The `hetcomm` command."""
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetcomm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, built back ends, kernels per op, devices (JSON)")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from hetcomm.info import info
+        json.dump(info(), sys.stdout, indent=2)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

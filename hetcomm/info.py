@@ -1,0 +1,49 @@
+"""What this installation of hetcomm can do: versions, built back ends, devices."""
+
+import importlib.util
+
+import torch
+
+from hetcomm import _extension
+from hetcomm._version import __version__
+
+OPS = ("pack", "pack.out", "unpack_", "unscale_", "cast_")
+DISPATCH_KEYS = ("CPU", "CUDA", "Meta")
+
+
+def _kernels_by_op() -> dict[str, list[str]]:
+    """Which dispatch keys have a kernel for each op, read from the dispatcher itself."""
+    table = {}
+    for op in OPS:
+        table[op] = [key for key in DISPATCH_KEYS
+                     if torch._C._dispatch_has_kernel_for_dispatch_key(f"hetcomm::{op}", key)]
+    return table
+
+
+def _devices() -> list[dict]:
+    devices = [{"device": "cpu", "threads": torch.get_num_threads()}]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            devices.append({"device": f"cuda:{index}", "name": props.name,
+                            "capability": f"{props.major}.{props.minor}",
+                            "memory_gib": round(props.total_memory / 2**30, 1),
+                            "sms": props.multi_processor_count})
+    return devices
+
+
+def info() -> dict:
+    """Returns a dict describing this installation (printed by ``hetcomm info``)."""
+    return {
+        "hetcomm": __version__,
+        "torch": torch.__version__,
+        "built_with_torch": _extension.BUILT_WITH_TORCH,
+        "backends": {
+            "cpu": True,
+            "cuda": {"compiled": bool(_extension.CUDA_ARCHS), "cuda_version": _extension.CUDA_VERSION,
+                     "archs": _extension.CUDA_ARCHS},
+            "triton": {"importable": importlib.util.find_spec("triton") is not None},
+        },
+        "kernels": _kernels_by_op(),
+        "devices": _devices(),
+    }

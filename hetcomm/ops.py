@@ -1,0 +1,151 @@
+"""Typed Python entry points to the hetcomm operators (torch.ops.hetcomm.*).
+
+The device is chosen by PyTorch's dispatcher from the tensors' device; each op
+validates its arguments before it writes anything and raises an error that names the
+offending argument. Scales are 1-element float32 tensors on the data's device so
+that nothing forces a host-device synchronisation; a Python float is accepted for
+convenience and turned into such a tensor.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from hetcomm import _extension  # noqa: F401  (loads the library that registers the ops)
+
+__all__ = ["pack", "unpack_", "unscale_", "cast_"]
+
+_ops = torch.ops.hetcomm
+
+
+def _scale_tensor(scale: Tensor | float, tensors: Sequence[Tensor]) -> Tensor:
+    if isinstance(scale, Tensor):
+        return scale
+    device = tensors[0].device if len(tensors) else torch.device("cpu")
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+
+
+def pack(src: Sequence[Tensor], scale: Tensor | float = 1.0, dtype: torch.dtype = torch.float16, *,
+         out: Tensor | None = None) -> Tensor:
+    """Concatenates ``src[k].flatten() * scale`` into one flat buffer of ``dtype``.
+
+    One pass over the data: each element is read once, multiplied by ``scale`` in fp32
+    and rounded to nearest-even into the buffer.
+
+    Args:
+        src: contiguous float32/float16/bfloat16 tensors on one device (dtypes may mix).
+        scale: 1-element float32 tensor on that device (or a float), e.g. the rank's
+            weight times the loss scale.
+        dtype: the buffer's dtype (float32, float16 or bfloat16). Ignored when ``out`` is given.
+        out: a preallocated contiguous 1-D buffer with exactly as many elements as
+            ``src`` holds; its dtype is the wire dtype.
+
+    Returns:
+        The buffer (``out`` when given).
+    """
+    scale = _scale_tensor(scale, src)
+    if out is None:
+        return _ops.pack.default(list(src), scale, dtype)
+    _ops.pack.out(list(src), scale, out=out)
+    return out
+
+
+def unpack_(flat: Tensor, dst: Sequence[Tensor], scale: Tensor | float, found_inf: Tensor,
+            sq_norm: Tensor | None = None) -> None:
+    """Writes ``flat * scale`` back into ``dst``, checking and measuring on the way.
+
+    ``dst[k] = cast(flat[segment k] * scale)`` with segments laid out in list order.
+    In the same pass, ``found_inf`` is set to 1 if any written value is ±inf or NaN (an
+    overflow of the destination dtype included); it is never cleared, so one flag can
+    collect several calls. When ``sq_norm`` is given, the sum of squares of the written
+    values is added to it (accumulated in float64, added in fp32).
+
+    Args:
+        flat: contiguous 1-D float32/float16/bfloat16 buffer, numel == sum of dst numels.
+        dst: contiguous float32/float16/bfloat16 tensors, written in place.
+        scale: 1-element float32 tensor (or a float), e.g. 1 / loss_scale.
+        found_inf: 1-element float32 tensor, written in place.
+        sq_norm: optional 1-element float32 tensor, accumulated in place.
+    """
+    _ops.unpack_.default(flat, list(dst), _scale_tensor(scale, [flat]), found_inf, sq_norm)
+
+
+def unscale_(tensors: Sequence[Tensor], inv_scale: Tensor | float, found_inf: Tensor) -> None:
+    """GradScaler's unscale with its overflow check, in one pass over a tensor list.
+
+    Same semantics as ``torch._amp_foreach_non_finite_check_and_unscale_``: ``found_inf``
+    is set to 1 if any input value is non-finite (never cleared), and every tensor is
+    multiplied in place by ``inv_scale`` in fp32 math.
+
+    Args:
+        tensors: contiguous float32/float16/bfloat16 tensors (dtypes may mix).
+        inv_scale: 1-element float32 tensor (or a float).
+        found_inf: 1-element float32 tensor, written in place.
+    """
+    _ops.unscale_.default(list(tensors), _scale_tensor(inv_scale, tensors), found_inf)
+
+
+def cast_(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    """``dst[k].copy_(src[k])`` for a whole list in one pass, converting between
+    float32, float16 and bfloat16 with round-to-nearest-even (bit-exact with ``.to()``).
+
+    Args:
+        src: contiguous float tensors.
+        dst: contiguous float tensors of the same shapes, written in place.
+    """
+    _ops.cast_.default(list(src), list(dst))
+
+
+# Fake (meta) kernels: output shapes and the checks that do not need data, so the
+# ops trace under torch.compile. The real kernels repeat every check with the data.
+
+def _fake_check_list(op: str, name: str, tensors: Sequence[Tensor], device: torch.device) -> None:
+    torch._check(len(tensors) > 0, lambda: f"hetcomm.{op}: {name} is an empty list; expected at least one tensor")
+    for i, t in enumerate(tensors):
+        torch._check(t.device == device,
+                     lambda: f"hetcomm.{op}: {name}[{i}] is on {t.device} but the other tensors are on {device}; "
+                             f"all tensors of one call must be on one device")
+
+
+def _fake_check_numel(op: str, name: str, flat: Tensor, tensors: Sequence[Tensor], list_name: str) -> None:
+    total = sum(t.numel() for t in tensors)
+    torch._check(flat.numel() == total,
+                 lambda: f"hetcomm.{op}: {name} has {flat.numel()} elements but the tensors of {list_name} "
+                         f"hold {total} in all; expected exactly that many")
+
+
+@torch.library.register_fake("hetcomm::pack")
+def _pack_fake(src, scale, dtype):
+    torch._check(len(src) > 0, lambda: "hetcomm.pack: src is an empty list; expected at least one tensor")
+    _fake_check_list("pack", "src", src, src[0].device)
+    return src[0].new_empty((sum(t.numel() for t in src),), dtype=dtype)
+
+
+@torch.library.register_fake("hetcomm::pack.out")
+def _pack_out_fake(src, scale, *, out):
+    _fake_check_list("pack", "src", src, out.device)
+    _fake_check_numel("pack", "out", out, src, "src")
+
+
+@torch.library.register_fake("hetcomm::unpack_")
+def _unpack_fake(flat, dst, scale, found_inf, sq_norm=None):
+    _fake_check_list("unpack_", "dst", dst, flat.device)
+    _fake_check_numel("unpack_", "flat", flat, dst, "dst")
+
+
+@torch.library.register_fake("hetcomm::unscale_")
+def _unscale_fake(tensors, inv_scale, found_inf):
+    torch._check(len(tensors) > 0,
+                 lambda: "hetcomm.unscale_: tensors is an empty list; expected at least one tensor")
+    _fake_check_list("unscale_", "tensors", tensors, found_inf.device)
+
+
+@torch.library.register_fake("hetcomm::cast_")
+def _cast_fake(src, dst):
+    torch._check(len(src) > 0, lambda: "hetcomm.cast_: src is an empty list; expected at least one tensor")
+    _fake_check_list("cast_", "src", src, src[0].device)
+    _fake_check_list("cast_", "dst", dst, src[0].device)
+    torch._check(len(src) == len(dst),
+                 lambda: f"hetcomm.cast_: src has {len(src)} tensors but dst has {len(dst)}; "
+                         f"expected lists of equal length")
