@@ -1,0 +1,75 @@
+"""Shared test inputs: dtypes, odd sizes, GPT-shaped parameter lists, devices."""
+
+import pytest
+import torch
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# Odd sizes, sizes around the 8-wide vector step, and sizes that straddle the CPU
+# back end's 32768-element work chunks.
+ODD_SIZES = [1, 7, 8, 9, 769, 5125, 32768 * 2 + 5]
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+def gpt_parameter_shapes(n_layer: int = 12, d_model: int = 64, vocab: int = 512, block: int = 128):
+    """Shapes of a small GPT's parameters, in module order (~150 tensors)."""
+    shapes = [(vocab, d_model), (block, d_model)]
+    for _ in range(n_layer):
+        shapes += [(d_model,), (d_model,),                        # ln_1
+                   (3 * d_model, d_model), (3 * d_model,),        # attention qkv
+                   (d_model, d_model), (d_model,),                # attention projection
+                   (d_model,), (d_model,),                        # ln_2
+                   (4 * d_model, d_model), (4 * d_model,),        # mlp up
+                   (d_model, 4 * d_model), (d_model,)]            # mlp down
+    return shapes + [(d_model,), (d_model,)]                      # ln_f
+
+
+def make_tensors(shapes, dtype, device, seed=0, misaligned=False):
+    """Random tensors of the given shapes. misaligned=True returns views that start one
+    element into their storage, so no vector load is aligned."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for shape in shapes:
+        numel = 1
+        for s in shape:
+            numel *= s
+        offset = int(misaligned)
+        base = (torch.randn(numel + offset, generator=generator) * 4).to(dtype=dtype, device=device)
+        tensors.append(base[offset:].view(shape))
+    return tensors
+
+
+def scalar(value: float, device="cpu") -> torch.Tensor:
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-for-bit equality; NaNs must be NaN in the same places (their payloads may
+    legitimately differ between conversion instructions)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual, expected = actual.cpu(), expected.cpu()
+    nan_actual, nan_expected = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_actual, nan_expected), "NaNs in different places"
+    keep = ~nan_actual
+    a_bits = actual.view(_INT_VIEW[actual.dtype])[keep]
+    e_bits = expected.view(_INT_VIEW[expected.dtype])[keep]
+    mismatches = (a_bits != e_bits).nonzero()
+    assert mismatches.numel() == 0, (
+        f"{mismatches.numel()} elements differ; first at {mismatches[0].item()}: "
+        f"{actual[keep][mismatches[0]].item()} vs {expected[keep][mismatches[0]].item()}")
+
+
+def special_values(dtype) -> torch.Tensor:
+    """Values that exercise rounding and non-finite handling: ties, subnormals of
+    each format, the largest finite values, and overflows after a cast."""
+    values = [0.0, -0.0, 1.0, -1.0, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8,
+              65504.0, 65520.0, 70000.0, -70000.0, 6e-8, 3e-8, 1e-40, 3.0e38, -3.0e38,
+              float(torch.finfo(torch.bfloat16).max), 2**-126, 2**-149]
+    return torch.tensor(values, dtype=torch.float32).to(dtype)
