@@ -29,3 +29,4 @@ if _C.built_with_torch != "unknown" and _release(_C.built_with_torch) != _releas
 BUILT_WITH_TORCH: str = _C.built_with_torch
 CUDA_ARCHS: list[str] = [a for a in _C.cuda_archs.split(";") if a]
 CUDA_VERSION: str | None = _C.cuda_version or None
+CPU_ISA: str = _C.cpu_isa

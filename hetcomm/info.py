@@ -39,7 +39,7 @@ def info() -> dict:
         "torch": torch.__version__,
         "built_with_torch": _extension.BUILT_WITH_TORCH,
         "backends": {
-            "cpu": True,
+            "cpu": {"vector_isa": _extension.CPU_ISA},
             "cuda": {"compiled": bool(_extension.CUDA_ARCHS), "cuda_version": _extension.CUDA_VERSION,
                      "archs": _extension.CUDA_ARCHS},
             "triton": {"importable": importlib.util.find_spec("triton") is not None},

@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 namespace hetcomm::cpu {
 namespace {
@@ -17,12 +19,22 @@ using SpanFn = void (*)(const void* src, void* dst, int64_t n, float scale, Span
 
 bool cpu_has_avx2_f16c() {
 #if HETCOMM_HAS_AVX2_PATH
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
-  return supported;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
+}
+
+// HETCOMM_CPU_ISA=scalar forces the portable loops (to test them, or to rule the
+// vector path out when chasing a numerical difference); read once per process.
+bool use_avx2() {
+  static const bool use = [] {
+    const char* requested = std::getenv("HETCOMM_CPU_ISA");
+    const std::string isa = requested == nullptr ? "auto" : requested;
+    TORCH_CHECK(isa == "auto" || isa == "scalar", "HETCOMM_CPU_ISA must be 'auto' or 'scalar'; got '", isa, "'");
+    return isa == "auto" && cpu_has_avx2_f16c();
+  }();
+  return use;
 }
 
 template <typename S, typename D, Check kCheck, bool kSumSq>
@@ -30,7 +42,7 @@ void span_entry(const void* src, void* dst, int64_t n, float scale, SpanStats& s
   const S* s = static_cast<const S*>(src);
   D* d = static_cast<D*>(dst);
 #if HETCOMM_HAS_AVX2_PATH
-  if (cpu_has_avx2_f16c()) {
+  if (use_avx2()) {
     span_avx2<S, D, kCheck, kSumSq>(s, d, n, scale, stats);
     return;
   }
@@ -81,6 +93,10 @@ SpanFn select_span(c10::ScalarType src, c10::ScalarType dst, Work work) {
 }
 
 }  // namespace
+
+const char* vector_isa() {
+  return use_avx2() ? "avx2+fma+f16c" : "scalar";
+}
 
 SpanStats run_segments(const SegmentList& segments, float scale, Work work) {
   const size_t count = segments.size();

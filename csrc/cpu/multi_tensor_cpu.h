@@ -20,4 +20,7 @@ enum class Work {
 // the number of threads.
 SpanStats run_segments(const SegmentList& segments, float scale, Work work);
 
+// The instruction set the element loops use in this process: "avx2+fma+f16c" or "scalar".
+const char* vector_isa();
+
 }  // namespace hetcomm::cpu

@@ -1,0 +1,5 @@
+import sys
+
+from hetcomm.cli import main
+
+sys.exit(main())
