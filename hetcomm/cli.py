@@ -9,7 +9,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetcomm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, built back ends, kernels per op, devices (JSON)")
-    args = parser.parse_args(argv)
+    commands.add_parser("demo", help="one simulated weighted gradient reduction, checked and timed",
+                        add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from hetcomm.demo import main as demo
+        return demo(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":
         from hetcomm.info import info
         json.dump(info(), sys.stdout, indent=2)

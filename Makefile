@@ -1,0 +1,40 @@
+# Quick start (each sets up .venv on first use: torch, the build, the test tools):
+#   make demo    one simulated weighted gradient reduction, checked and timed
+#   make test    the test suite
+# Also: make bench (CPU benchmarks and their table), make info, make clean.
+#
+# TORCH picks the torch build, e.g. make test TORCH=torch==2.13.0 (CPU-only wheel).
+# HETCOMM_CUDA=1 makes the build fail rather than fall back to CPU-only (see setup.py).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hetcomm-installed
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
+
+.PHONY: demo test bench info clean
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade setuptools wheel
+	$(PY) -m pip install --quiet "$(TORCH)" ninja numpy
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/hetcomm demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	mkdir -p .benchmarks
+	$(PY) -m pytest benchmarks/bench_ops_cpu.py --benchmark-json=.benchmarks/ops_cpu.json
+	$(PY) benchmarks/report.py .benchmarks/ops_cpu.json
+
+info: $(STAMP)
+	$(VENV)/bin/hetcomm info
+
+clean:
+	rm -rf build hetcomm/_C*.so .benchmarks
