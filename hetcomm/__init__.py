@@ -2,7 +2,9 @@
 training on clusters of mixed, older NVIDIA GPUs."""
 
 from hetcomm._version import __version__
+from hetcomm.comm import ReduceResult, WeightedHookState, WeightedReducer, weighted_hook
 from hetcomm.info import info
 from hetcomm.ops import cast_, pack, unpack_, unscale_
 
-__all__ = ["__version__", "info", "pack", "unpack_", "unscale_", "cast_"]
+__all__ = ["__version__", "info", "pack", "unpack_", "unscale_", "cast_", "WeightedReducer", "ReduceResult",
+           "WeightedHookState", "weighted_hook"]

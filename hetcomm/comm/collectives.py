@@ -1,0 +1,71 @@
+"""The small collective steps around the gradient all-reduce: where control tensors
+live, waiting with a deadline, and checks that every rank agrees on."""
+
+import hashlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete in time: a rank died, stalled, or never called in."""
+
+
+class LayoutMismatch(RuntimeError):
+    """The ranks' parameter lists differ; reducing them would mix unrelated gradients."""
+
+
+def control_device(group) -> torch.device:
+    """Where small control tensors go: NCCL reduces only CUDA tensors, Gloo prefers CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def launch_all_reduce(tensor: Tensor, group, op=dist.ReduceOp.SUM):
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def wait(work, timeout: timedelta | None, what: str) -> None:
+    """Waits for an async collective; a timeout or a vanished peer becomes a
+    CollectiveTimeout that says what was being waited for."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as error:
+        text = str(error).lower()
+        if any(word in text for word in ("timeout", "timed out", "connection closed", "connection reset",
+                                          "broken pipe", "aborted")):
+            limit = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+            raise CollectiveTimeout(
+                f"{what}: not every rank answered{limit}. A rank may have died, stalled or not called in "
+                f"the same collective; the process group must be rebuilt. ({str(error).splitlines()[0]})"
+            ) from error
+        raise
+
+
+def layout_fingerprint(params) -> int:
+    """A 62-bit digest of the parameters' count, order, shapes and dtypes."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(f"{tuple(p.shape)}:{p.dtype};".encode())
+    return int.from_bytes(digest.digest()[:8], "little") >> 2
+
+
+def check_same_layout(params, group, timeout: timedelta | None, who: str) -> None:
+    """Raises LayoutMismatch on every rank if any two ranks' parameter lists differ."""
+    mine = layout_fingerprint(params)
+    # MAX of (x, -x) gives the largest and the negated smallest value in one call.
+    probe = torch.tensor([mine, -mine, len(params), -len(params)], dtype=torch.int64,
+                         device=control_device(group))
+    wait(launch_all_reduce(probe, group, dist.ReduceOp.MAX), timeout, f"{who}: the parameter layout check")
+    largest, smallest, most, fewest = probe[0].item(), -probe[1].item(), probe[2].item(), -probe[3].item()
+    if largest != smallest:
+        raise LayoutMismatch(
+            f"{who}: the ranks' parameter lists differ (between {fewest} and {most} parameters; shapes, "
+            f"dtypes or order differ). Every rank must pass the same model's parameters in the same order; "
+            f"this rank has {len(params)} (layout digest {mine:x}).")

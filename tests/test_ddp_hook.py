@@ -1,0 +1,116 @@
+"""weighted_hook under DistributedDataParallel on 4 Gloo ranks with unequal batches."""
+
+import pytest
+import torch
+from distributed import run_ranks, values
+from tiny_model import COUNTS, LOSS_SCALE, TinyNet, dataset, reference_gradient
+from torch.nn.parallel import DistributedDataParallel
+
+import hetcomm
+
+USED = ["embed.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "side.weight", "side.bias"]
+
+
+def ddp_backward(ddp, rank, counts, scale=1.0):
+    tokens, targets = dataset(sum(counts))
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    ddp.zero_grad(set_to_none=True)
+    loss = ((ddp(tokens[mine], True) - targets[mine]) ** 2).mean()
+    (loss * scale).backward()
+    return {name: ddp.module.get_parameter(name).grad.clone() for name in USED}
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def hook_scenarios(rank, world, counts):
+    n, total = counts[rank], sum(counts)
+    out = {}
+
+    # `never` takes no part in the loss, hence find_unused_parameters.
+    ddp = DistributedDataParallel(TinyNet(), find_unused_parameters=True, bucket_cap_mb=0.001)
+    state = hetcomm.WeightedHookState(wire_dtype=torch.float32)
+    ddp.register_comm_hook(state, hetcomm.weighted_hook)
+    state.set_weight(n / total)
+    out["fp32"] = (ddp_backward(ddp, rank, counts), state.found_inf.clone(), state.grad_norm().clone())
+    state.set_count(n)
+    out["count"] = (ddp_backward(ddp, rank, counts), state.total)
+
+    ddp16 = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
+    state16 = hetcomm.WeightedHookState(wire_dtype=torch.float16, loss_scale=LOSS_SCALE)
+    ddp16.register_comm_hook(state16, hetcomm.weighted_hook)
+    state16.set_weight(n / total)
+    out["fp16"] = (ddp_backward(ddp16, rank, counts, LOSS_SCALE), state16.found_inf.clone())
+    out["nan"] = (ddp_backward(ddp16, rank, counts, float("nan") if rank == 2 else LOSS_SCALE),
+                  state16.found_inf.item())
+    state16.set_weight(0.2)
+    out["bad_sum"] = error_of(lambda: ddp_backward(ddp16, rank, counts, LOSS_SCALE))
+
+    equal = [6] * world
+    plain = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
+    hooked = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
+    equal_state = hetcomm.WeightedHookState(wire_dtype=torch.float32)
+    hooked.register_comm_hook(equal_state, hetcomm.weighted_hook)
+    equal_state.set_weight(1 / world)
+    out["equal"] = (ddp_backward(plain, rank, equal), ddp_backward(hooked, rank, equal))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return values(run_ranks(4, hook_scenarios, COUNTS, tmp_path=tmp_path_factory.mktemp("hook")))
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def test_hook_fp32_wire_equals_union_gradient(ranks):
+    reference = reference_gradient(COUNTS)
+    for r in ranks:
+        grads, found_inf, norm = r["fp32"]
+        for name in USED:
+            assert relative_error(grads[name], reference[name]) <= 1e-6, name
+        assert found_inf.item() == 0
+        assert norm.item() > 0
+        torch.testing.assert_close(norm, ranks[0]["fp32"][2], rtol=0, atol=0)
+
+
+def test_hook_count_mode(ranks):
+    for r in ranks:
+        grads, total = r["count"]
+        assert total == sum(COUNTS)
+        for name in USED:
+            torch.testing.assert_close(grads[name], r["fp32"][0][name], rtol=1e-6, atol=1e-9)
+
+
+def test_hook_fp16_wire_within_its_rounding(ranks):
+    reference = reference_gradient(COUNTS)
+    for r in ranks:
+        grads, found_inf = r["fp16"]
+        for name in USED:
+            assert relative_error(grads[name], reference[name]) <= 2 * len(COUNTS) * 2.0**-11, name
+        assert found_inf.item() == 0
+
+
+def test_hook_nonfinite_on_one_rank_flags_all(ranks):
+    assert [r["nan"][1] for r in ranks] == [1.0] * 4
+
+
+def test_hook_bad_weights_fail_every_rank(ranks):
+    for r in ranks:
+        assert r["bad_sum"] is not None
+        assert "the weights add up to 0.8 across 4 ranks; expected 1" in r["bad_sum"][1]
+
+
+def test_equal_weights_reproduce_ddp_default_averaging(ranks):
+    for r in ranks:
+        plain, hooked = r["equal"]
+        for name in USED:
+            torch.testing.assert_close(hooked[name], plain[name], rtol=1e-6, atol=1e-8)

@@ -1,0 +1,194 @@
+"""WeightedReducer on 4 Gloo ranks with unequal batches: the reduced gradient is the
+gradient of the mean loss over the union of all samples; overflows, bad weights,
+mismatched layouts and missing ranks give the same answer or error on every rank."""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks, values
+from tiny_model import COUNTS, LOSS_SCALE, TinyNet, local_backward, reference_gradient
+
+import hetcomm
+
+def grads_of(model):
+    return {name: (None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()}
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def scenarios(rank, world, counts):
+    n, total = counts[rank], sum(counts)
+    out = {}
+    model = TinyNet()
+
+    reducer = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float32, bucket_cap_mb=0.001)
+    out["buckets"] = len(reducer.buckets)
+    local_backward(model, rank, counts)
+    result = reducer.reduce(weight=n / total)
+    out["fp32"] = (grads_of(model), result.found_inf.clone(), result.grad_norm.clone())
+
+    local_backward(model, rank, counts)
+    total_from_counts = reducer.reduce(count=n).total
+    out["count"] = (grads_of(model), total_from_counts)
+
+    reducer16 = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float16)
+    local_backward(model, rank, counts, scale=LOSS_SCALE)
+    result = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE)
+    out["fp16"] = (grads_of(model), result.found_inf.clone(), result.grad_norm.clone())
+
+    local_backward(model, rank, counts, scale=LOSS_SCALE)
+    if rank == 2:
+        model.fc1.weight.grad[3, 3] = float("nan")
+    out["nan_found_inf"] = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE).found_inf.item()
+
+    local_backward(model, rank, counts, scale=LOSS_SCALE)
+    if rank == 1:
+        model.fc2.bias.grad[0] = 1e6  # finite in fp32, overflows the fp16 wire
+    out["overflow_found_inf"] = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE).found_inf.item()
+
+    # `side` is used only on rank 0; `never` nowhere.
+    local_backward(model, rank, counts, use_side=(rank == 0))
+    reducer.reduce(weight=n / total)
+    out["partly_used"] = grads_of(model)
+
+    local_backward(model, rank, counts)
+    out["bad_sum"] = error_of(lambda: reducer.reduce(weight=0.3))
+    out["negative"] = error_of(lambda: reducer.reduce(weight=-1.0 if rank == 1 else n / total))
+    out["mixed"] = error_of(lambda: reducer.reduce(weight=n / total) if rank == 0 else reducer.reduce(count=n))
+    out["grads_after_errors"] = grads_of(model)
+    out["layout"] = error_of(lambda: hetcomm.WeightedReducer(TinyNet(extra_layer=(rank == 3)).parameters()).reduce(
+        weight=1 / world))
+    out["bf16_on_gloo"] = error_of(lambda: hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.bfloat16))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return values(run_ranks(4, scenarios, COUNTS, tmp_path=tmp_path_factory.mktemp("reducer")))
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def assert_close_to_reference(grads, reference, bound):
+    for name, want in reference.items():
+        assert relative_error(grads[name], want) <= bound, name
+
+
+def test_fp32_wire_equals_union_gradient(ranks):
+    reference = reference_gradient(COUNTS)
+    assert ranks[0]["buckets"] >= 3  # a tiny cap: several all-reduces in flight
+    for r in ranks:
+        grads, found_inf, norm = r["fp32"]
+        assert_close_to_reference(grads, reference, 1e-6)
+        assert found_inf.item() == 0
+        exact_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values() if g is not None))
+        torch.testing.assert_close(norm.double(), exact_norm.reshape(1), rtol=1e-6, atol=0)
+    # Identical on every rank, bit for bit.
+    for r in ranks[1:]:
+        assert all(torch.equal(r["fp32"][0][k], ranks[0]["fp32"][0][k]) for k in reference)
+        assert torch.equal(r["fp32"][2], ranks[0]["fp32"][2])
+
+
+def test_count_mode_matches_weight_mode(ranks):
+    for r in ranks:
+        grads, total = r["count"]
+        assert total == sum(COUNTS)
+        for name, g in r["fp32"][0].items():
+            if g is not None:
+                torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9)
+
+
+def test_fp16_wire_within_its_rounding(ranks):
+    reference = reference_gradient(COUNTS)
+    # Each rank's weighted gradient is rounded once to fp16 and the ring adds in fp16.
+    bound = 2 * len(COUNTS) * 2.0 ** -11
+    for r in ranks:
+        grads, found_inf, _ = r["fp16"]
+        assert_close_to_reference(grads, reference, bound)
+        assert found_inf.item() == 0
+
+
+def test_nonfinite_and_wire_overflow_flag_every_rank(ranks):
+    assert [r["nan_found_inf"] for r in ranks] == [1.0] * 4
+    assert [r["overflow_found_inf"] for r in ranks] == [1.0] * 4
+
+
+def test_parameters_without_gradients(ranks):
+    """`side` has a gradient on rank 0 only: every rank gets rank 0's weighted share;
+    `never` has none anywhere and keeps grad None, as under DDP."""
+    reference = reference_gradient(COUNTS, side_ranks=[0])
+    for r in ranks:
+        grads = r["partly_used"]
+        assert grads["never.weight"] is None and grads["never.bias"] is None
+        assert grads["side.weight"] is not None and grads["side.weight"].abs().sum() > 0
+        assert_close_to_reference(grads, reference, 1e-6)
+    for r in ranks[1:]:
+        assert torch.equal(r["partly_used"]["side.weight"], ranks[0]["partly_used"]["side.weight"])
+
+
+def test_bad_weights_raise_the_same_error_on_every_rank(ranks):
+    for key, pattern in [("bad_sum", "the weights add up to 1.2 across 4 ranks; expected 1"),
+                         ("negative", "ranks [1] passed an invalid weight or count"),
+                         ("mixed", "3 of 4 ranks passed count= and the others weight=")]:
+        for r in ranks:
+            kind, message = r[key]
+            assert kind == "ValueError" and pattern in message, (key, message)
+    assert "here: weight=-1.0 is negative" in ranks[1]["negative"][1]
+
+
+def test_refused_reduce_leaves_gradients_alone(ranks):
+    for r in ranks:
+        local = r["grads_after_errors"]
+        assert local["fc1.weight"] is not None
+        assert not torch.equal(local["fc1.weight"], r["fp32"][0]["fc1.weight"])  # still the local gradient
+
+
+def test_mismatched_layouts_fail_on_every_rank(ranks):
+    for r in ranks:
+        kind, message = r["layout"]
+        assert kind == "LayoutMismatch" and "between 9 and 11 parameters" in message
+
+
+def test_bf16_wire_refused_on_gloo(ranks):
+    kind, message = ranks[0]["bf16_on_gloo"]
+    assert kind == "ValueError" and "Gloo backend cannot all-reduce bfloat16" in message
+
+
+def absent_rank(rank, world):
+    """Rank 1 never calls reduce; rank 0 must give up with a clear error."""
+    model = TinyNet()
+    if rank == 1:
+        time.sleep(8)
+        return "absent"
+    reducer = hetcomm.WeightedReducer(model.parameters(), timeout=timedelta(seconds=2))
+    local_backward(model, rank, [2, 2])
+    start = time.monotonic()
+    try:
+        reducer.reduce(weight=0.5)
+    except hetcomm.comm.CollectiveTimeout as error:
+        return "timeout", time.monotonic() - start, str(error)
+    return "returned"
+
+
+def test_missing_rank_times_out_clearly(tmp_path):
+    results = values(run_ranks(2, absent_rank, tmp_path=tmp_path))
+    kind, waited, message = results[0]
+    assert kind == "timeout" and waited < 6
+    assert "not every rank answered within 2 s" in message and "layout check" in message
+
+
+def test_reducer_needs_an_initialised_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        hetcomm.WeightedReducer(TinyNet().parameters())
