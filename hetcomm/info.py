@@ -6,6 +6,7 @@ import torch
 
 from hetcomm import _extension
 from hetcomm._version import __version__
+from hetcomm.ops import get_backend
 
 OPS = ("pack", "pack.out", "unpack_", "unscale_", "cast_")
 DISPATCH_KEYS = ("CPU", "CUDA", "Meta")
@@ -32,6 +33,23 @@ def _devices() -> list[dict]:
     return devices
 
 
+def _triton_backend() -> dict:
+    """Whether the triton back end can run here: triton's version, whether kernels run
+    in its CPU interpreter (TRITON_INTERPRET=1), and the ops it registered."""
+    if importlib.util.find_spec("triton") is None:
+        return {"importable": False}
+    try:
+        import triton
+
+        from hetcomm.triton import OPS, kernels
+    except ImportError as error:
+        return {"importable": False, "error": str(error)}
+    return {"importable": True, "version": triton.__version__, "interpreter": kernels.INTERPRETED,
+            "ops": [op for op in OPS
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(f"hetcomm_triton::{op}",
+                                                                      "CompositeExplicitAutograd")]}
+
+
 def info() -> dict:
     """Returns a dict describing this installation (printed by ``hetcomm info``)."""
     return {
@@ -42,8 +60,9 @@ def info() -> dict:
             "cpu": {"vector_isa": _extension.CPU_ISA},
             "cuda": {"compiled": bool(_extension.CUDA_ARCHS), "cuda_version": _extension.CUDA_VERSION,
                      "archs": _extension.CUDA_ARCHS},
-            "triton": {"importable": importlib.util.find_spec("triton") is not None},
+            "triton": _triton_backend(),
         },
+        "backend": get_backend(),
         "kernels": _kernels_by_op(),
         "devices": _devices(),
     }

@@ -5,18 +5,80 @@ validates its arguments before it writes anything and raises an error that names
 offending argument. Scales are 1-element float32 tensors on the data's device so
 that nothing forces a host-device synchronisation; a Python float is accepted for
 convenience and turned into such a tensor.
+
+pack, unpack_ and unscale_ have two back ends, chosen per call with ``backend=`` or
+for the process with set_backend() (initially $HETCOMM_BACKEND, else "auto"):
+"native" is the C++/CUDA kernels (torch.ops.hetcomm), "triton" the Triton kernels
+(torch.ops.hetcomm_triton, imported on first use, so hetcomm works without triton),
+and "auto" takes native wherever this build has a kernel for the tensors' device and
+triton on CUDA tensors where it has none.
 """
 
+import os
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from hetcomm import _extension  # noqa: F401  (loads the library that registers the ops)
 
-__all__ = ["pack", "unpack_", "unscale_", "cast_"]
+__all__ = ["pack", "unpack_", "unscale_", "cast_", "set_backend", "get_backend", "Backend"]
 
 _ops = torch.ops.hetcomm
+
+Backend = Literal["auto", "native", "triton"]
+_BACKENDS = ("auto", "native", "triton")
+
+# Device types with a native kernel, read once from the dispatcher (the C++ library
+# registers all ops for a device together). A constant, so torch.compile can trace
+# the choice below.
+_NATIVE_DEVICE_TYPES = frozenset(key.lower() for key in ("CPU", "CUDA")
+                                 if torch._C._dispatch_has_kernel_for_dispatch_key("hetcomm::pack", key))
+
+
+def _checked_backend(backend: str, name: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"{name} must be 'auto', 'native' or 'triton'; got {backend!r}")
+    return backend
+
+
+_backend: str = _checked_backend(os.environ.get("HETCOMM_BACKEND", "auto"), "HETCOMM_BACKEND")
+
+
+def set_backend(backend: Backend) -> None:
+    """Sets the back end that pack, unpack_ and unscale_ use when a call passes no
+    ``backend=``: "auto", "native" or "triton" (see the module docstring)."""
+    global _backend
+    _backend = _checked_backend(backend, "backend")
+
+
+def get_backend() -> Backend:
+    """The back end set by set_backend() or $HETCOMM_BACKEND ("auto" by default)."""
+    return _backend
+
+
+def _library(op: str, backend: Backend | None, device: torch.device) -> torch._ops._OpNamespace:
+    """The op namespace that runs ``op`` on ``device`` for this call."""
+    choice = _backend if backend is None else _checked_backend(backend, "backend")
+    why = ""
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and "cuda" not in _NATIVE_DEVICE_TYPES else "native"
+        why = " (chosen by 'auto': this build of hetcomm has no CUDA kernels)"
+    if choice == "native":
+        return _ops
+    try:
+        import hetcomm.triton  # noqa: F401  (registers torch.ops.hetcomm_triton)
+    except ImportError as error:
+        raise ImportError(f"hetcomm.{op}: the triton back end{why} needs the triton package, which cannot be "
+                          f"imported here ({error}); install triton, or use backend='native'") from error
+    return torch.ops.hetcomm_triton
+
+
+def _device(tensors: Sequence[Tensor]) -> torch.device:
+    # An empty list has no device: "auto" then takes the native op. Either back end
+    # rejects the empty list with an error that names it.
+    return tensors[0].device if len(tensors) else torch.device("cpu")
 
 
 def _scale_tensor(scale: Tensor | float, tensors: Sequence[Tensor]) -> Tensor:
@@ -27,7 +89,7 @@ def _scale_tensor(scale: Tensor | float, tensors: Sequence[Tensor]) -> Tensor:
 
 
 def pack(src: Sequence[Tensor], scale: Tensor | float = 1.0, dtype: torch.dtype = torch.float16, *,
-         out: Tensor | None = None) -> Tensor:
+         out: Tensor | None = None, backend: Backend | None = None) -> Tensor:
     """Concatenates ``src[k].flatten() * scale`` into one flat buffer of ``dtype``.
 
     One pass over the data: each element is read once, multiplied by ``scale`` in fp32
@@ -40,19 +102,21 @@ def pack(src: Sequence[Tensor], scale: Tensor | float = 1.0, dtype: torch.dtype 
         dtype: the buffer's dtype (float32, float16 or bfloat16). Ignored when ``out`` is given.
         out: a preallocated contiguous 1-D buffer with exactly as many elements as
             ``src`` holds; its dtype is the wire dtype.
+        backend: "auto", "native" or "triton"; None takes get_backend().
 
     Returns:
         The buffer (``out`` when given).
     """
     scale = _scale_tensor(scale, src)
+    ops = _library("pack", backend, _device(src))
     if out is None:
-        return _ops.pack.default(list(src), scale, dtype)
-    _ops.pack.out(list(src), scale, out=out)
+        return ops.pack.default(list(src), scale, dtype)
+    ops.pack.out(list(src), scale, out=out)
     return out
 
 
 def unpack_(flat: Tensor, dst: Sequence[Tensor], scale: Tensor | float, found_inf: Tensor,
-            sq_norm: Tensor | None = None) -> None:
+            sq_norm: Tensor | None = None, *, backend: Backend | None = None) -> None:
     """Writes ``flat * scale`` back into ``dst``, checking and measuring on the way.
 
     ``dst[k] = cast(flat[segment k] * scale)`` with segments laid out in list order.
@@ -67,11 +131,14 @@ def unpack_(flat: Tensor, dst: Sequence[Tensor], scale: Tensor | float, found_in
         scale: 1-element float32 tensor (or a float), e.g. 1 / loss_scale.
         found_inf: 1-element float32 tensor, written in place.
         sq_norm: optional 1-element float32 tensor, accumulated in place.
+        backend: "auto", "native" or "triton"; None takes get_backend().
     """
-    _ops.unpack_.default(flat, list(dst), _scale_tensor(scale, [flat]), found_inf, sq_norm)
+    ops = _library("unpack_", backend, flat.device)
+    ops.unpack_.default(flat, list(dst), _scale_tensor(scale, [flat]), found_inf, sq_norm)
 
 
-def unscale_(tensors: Sequence[Tensor], inv_scale: Tensor | float, found_inf: Tensor) -> None:
+def unscale_(tensors: Sequence[Tensor], inv_scale: Tensor | float, found_inf: Tensor, *,
+             backend: Backend | None = None) -> None:
     """GradScaler's unscale with its overflow check, in one pass over a tensor list.
 
     Same semantics as ``torch._amp_foreach_non_finite_check_and_unscale_``: ``found_inf``
@@ -82,8 +149,10 @@ def unscale_(tensors: Sequence[Tensor], inv_scale: Tensor | float, found_inf: Te
         tensors: contiguous float32/float16/bfloat16 tensors (dtypes may mix).
         inv_scale: 1-element float32 tensor (or a float).
         found_inf: 1-element float32 tensor, written in place.
+        backend: "auto", "native" or "triton"; None takes get_backend().
     """
-    _ops.unscale_.default(list(tensors), _scale_tensor(inv_scale, tensors), found_inf)
+    ops = _library("unscale_", backend, _device(tensors))
+    ops.unscale_.default(list(tensors), _scale_tensor(inv_scale, tensors), found_inf)
 
 
 def cast_(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:

@@ -1,7 +1,15 @@
 """Shared test inputs: dtypes, odd sizes, GPT-shaped parameter lists, devices."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU, the Triton kernels run on CPU tensors in Triton's interpreter.
+    # Triton picks the interpreter when a kernel is decorated, so this must be set
+    # before anything imports hetcomm.triton.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

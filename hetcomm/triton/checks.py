@@ -1,0 +1,133 @@
+"""Argument validation for the Triton ops, with the messages of the C++ ops
+(csrc/ops/checks.cpp and plans.cpp), in the same order, so that a bad call fails the
+same way whichever back end runs it. Every check runs before anything is written.
+
+Plain Python with no Triton import: the fake kernels use it too (without the aliasing
+check, which needs real addresses).
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_supported_dtype(op: str, name: str, dtype: torch.dtype) -> None:
+    if dtype not in _SUPPORTED:
+        raise TypeError(f"hetcomm.{op}: {name} has dtype {dtype}; "
+                        f"expected torch.float32, torch.float16 or torch.bfloat16")
+
+
+def check_float_tensor(op: str, name: str, t: Tensor, device: torch.device) -> None:
+    check_supported_dtype(op, name, t.dtype)
+    if t.device != device:
+        raise RuntimeError(f"hetcomm.{op}: {name} is on {t.device} but the other tensors are on {device}; "
+                           f"all tensors of one call must be on one device")
+    if not t.is_contiguous():
+        raise RuntimeError(f"hetcomm.{op}: {name} is not contiguous (sizes {list(t.shape)}, strides "
+                           f"{list(t.stride())}); pass t.contiguous() or a contiguous buffer")
+
+
+def list_device(op: str, name: str, tensors: Sequence[Tensor]) -> torch.device:
+    if len(tensors) == 0:
+        raise RuntimeError(f"hetcomm.{op}: {name} is an empty list; expected at least one tensor")
+    return tensors[0].device
+
+
+def check_float_list(op: str, name: str, tensors: Sequence[Tensor], device: torch.device) -> None:
+    list_device(op, name, tensors)
+    for i, t in enumerate(tensors):
+        check_float_tensor(op, f"{name}[{i}]", t, device)
+
+
+def check_scalar_tensor(op: str, name: str, t: Tensor, device: torch.device) -> None:
+    if t.numel() != 1 or t.dtype != torch.float32:
+        raise RuntimeError(f"hetcomm.{op}: {name} must be a 1-element torch.float32 tensor; "
+                           f"got shape {list(t.shape)} and dtype {t.dtype}")
+    if t.device != device:
+        raise RuntimeError(f"hetcomm.{op}: {name} is on {t.device} but the data is on {device}; "
+                           f"keep it on the data's device (no host round trip)")
+
+
+def check_flat_buffer(op: str, name: str, flat: Tensor, device: torch.device, expected_numel: int,
+                      list_name: str) -> None:
+    check_float_tensor(op, name, flat, device)
+    if flat.dim() != 1:
+        raise RuntimeError(f"hetcomm.{op}: {name} must be 1-D; got shape {list(flat.shape)}")
+    if flat.numel() != expected_numel:
+        raise RuntimeError(f"hetcomm.{op}: {name} has {flat.numel()} elements but the tensors of {list_name} "
+                           f"hold {expected_numel} in all; expected exactly that many")
+
+
+def check_no_overlap(op: str, regions: Sequence[tuple[str, Tensor, bool]]) -> None:
+    """Fails if a written tensor shares bytes with any other tensor of the call.
+
+    ``regions`` are (name, tensor, written) in the order the C++ op lists them; the
+    sweep is the C++ one, so the same pair is reported.
+    """
+    spans = sorted(((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                    for i, (_, t, _) in enumerate(regions) if t.numel() > 0), key=lambda span: span[0])
+    # In address order, remember the earlier interval that reaches furthest, among
+    # all and among the written ones: any overlap involving a written tensor shows up
+    # against one of those two.
+    furthest = furthest_written = None
+    for begin, end, index in spans:
+        written = regions[index][2]
+        clash = None
+        if furthest_written is not None and begin < furthest_written[1]:
+            clash = furthest_written
+        elif written and furthest is not None and begin < furthest[1]:
+            clash = furthest
+        if clash is not None:
+            raise RuntimeError(f"hetcomm.{op}: {regions[clash[2]][0]} and {regions[index][0]} share memory, "
+                               f"and at least one of them is written; pass tensors that do not alias")
+        if furthest is None or end > furthest[1]:
+            furthest = (begin, end, index)
+        if written and (furthest_written is None or end > furthest_written[1]):
+            furthest_written = (begin, end, index)
+
+
+def _named(name: str, tensors: Sequence[Tensor], written: bool) -> list[tuple[str, Tensor, bool]]:
+    return [(f"{name}[{i}]", t, written) for i, t in enumerate(tensors)]
+
+
+def check_pack_sources(src: Sequence[Tensor], scale: Tensor) -> int:
+    """Validates pack's sources and scale; returns the total element count."""
+    device = list_device("pack", "src", src)
+    check_float_list("pack", "src", src, device)
+    check_scalar_tensor("pack", "scale", scale, device)
+    return sum(t.numel() for t in src)
+
+
+def check_pack(src: Sequence[Tensor], scale: Tensor, out: Tensor, *, aliasing: bool = True) -> None:
+    total = check_pack_sources(src, scale)
+    check_flat_buffer("pack", "out", out, src[0].device, total, "src")
+    if aliasing:
+        check_no_overlap("pack", [("scale", scale, False), ("out", out, True)] + _named("src", src, False))
+
+
+def check_unpack(flat: Tensor, dst: Sequence[Tensor], scale: Tensor, found_inf: Tensor, sq_norm: Tensor | None,
+                 *, aliasing: bool = True) -> None:
+    device = flat.device
+    check_float_list("unpack_", "dst", dst, device)
+    check_flat_buffer("unpack_", "flat", flat, device, sum(t.numel() for t in dst), "dst")
+    check_scalar_tensor("unpack_", "scale", scale, device)
+    check_scalar_tensor("unpack_", "found_inf", found_inf, device)
+    regions = [("flat", flat, False), ("scale", scale, False), ("found_inf", found_inf, True)]
+    if sq_norm is not None:
+        check_scalar_tensor("unpack_", "sq_norm", sq_norm, device)
+        regions.append(("sq_norm", sq_norm, True))
+    if aliasing:
+        check_no_overlap("unpack_", regions + _named("dst", dst, True))
+
+
+def check_unscale(tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor, *, aliasing: bool = True) -> None:
+    device = list_device("unscale_", "tensors", tensors)
+    check_float_list("unscale_", "tensors", tensors, device)
+    check_scalar_tensor("unscale_", "inv_scale", inv_scale, device)
+    check_scalar_tensor("unscale_", "found_inf", found_inf, device)
+    if aliasing:
+        check_no_overlap("unscale_", [("inv_scale", inv_scale, False), ("found_inf", found_inf, True)]
+                         + _named("tensors", tensors, True))
