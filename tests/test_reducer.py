@@ -60,6 +60,25 @@ def scenarios(rank, world, counts):
     reducer.reduce(weight=n / total)
     out["partly_used"] = grads_of(model)
 
+    # Without `never`: a parameter that gets no gradient holds its bucket until finish().
+    used_params = [p for name, p in model.named_parameters() if not name.startswith("never")]
+    overlapped = hetcomm.WeightedReducer(used_params, wire_dtype=torch.float32, bucket_cap_mb=0.001, overlap=True)
+    model.zero_grad(set_to_none=True)
+    overlapped.begin(weight=n / total)
+    local_backward(model, rank, counts)
+    out["launched_during_backward"] = len(overlapped._step.works)
+    result = overlapped.finish()
+    out["overlap"] = (grads_of(model), result.grad_norm.clone())
+
+    # Accumulation: the first micro-batch's backward happens before begin() and is not sent.
+    local_backward(model, rank, counts, scale=0.5)
+    overlapped.begin(weight=n / total)
+    local_backward(model, rank, counts, scale=0.5, zero=False)
+    overlapped.finish()
+    out["overlap_accumulated"] = grads_of(model)
+    out["reduce_with_overlap"] = error_of(lambda: overlapped.reduce(weight=n / total))
+    overlapped.remove_hooks()
+
     local_backward(model, rank, counts)
     out["bad_sum"] = error_of(lambda: reducer.reduce(weight=0.3))
     out["negative"] = error_of(lambda: reducer.reduce(weight=-1.0 if rank == 1 else n / total))
@@ -158,6 +177,30 @@ def test_mismatched_layouts_fail_on_every_rank(ranks):
     for r in ranks:
         kind, message = r["layout"]
         assert kind == "LayoutMismatch" and "between 9 and 11 parameters" in message
+
+
+def test_overlap_launches_during_backward_and_gives_the_same_result(ranks):
+    for r in ranks:
+        assert r["launched_during_backward"] >= 1
+        grads, norm = r["overlap"]
+        # Other buckets, so Gloo may add the ranks' values in another order: not bit-exact.
+        for name, g in r["fp32"][0].items():
+            if g is not None:
+                torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(norm, r["fp32"][2], rtol=1e-6, atol=0)
+
+
+def test_overlap_with_gradient_accumulation(ranks):
+    """Two half-weighted micro-batches accumulate to the full gradient before the send."""
+    for r in ranks:
+        for name, g in r["fp32"][0].items():
+            if g is not None:
+                torch.testing.assert_close(r["overlap_accumulated"][name], g, rtol=1e-6, atol=1e-9)
+
+
+def test_overlap_requires_begin_and_finish(ranks):
+    kind, message = ranks[0]["reduce_with_overlap"]
+    assert kind == "RuntimeError" and "with overlap=True call begin(...) before backward" in message
 
 
 def test_bf16_wire_refused_on_gloo(ranks):

@@ -32,12 +32,14 @@ def dataset(total: int):
     return torch.randint(0, 16, (total, 5), generator=generator), torch.randn(total, 4, generator=generator)
 
 
-def local_backward(model, rank, counts, scale=1.0, use_side=True):
-    """Mean loss over this rank's slice of the global batch, times scale, backward."""
+def local_backward(model, rank, counts, scale=1.0, use_side=True, zero=True):
+    """Mean loss over this rank's slice of the global batch, times scale, backward
+    (accumulating into the gradients when zero=False)."""
     tokens, targets = dataset(sum(counts))
     start = sum(counts[:rank])
     mine = slice(start, start + counts[rank])
-    model.zero_grad(set_to_none=True)
+    if zero:
+        model.zero_grad(set_to_none=True)
     loss = ((model(tokens[mine], use_side) - targets[mine]) ** 2).mean()
     (loss * scale).backward()
 

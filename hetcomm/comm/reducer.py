@@ -1,7 +1,8 @@
 """WeightedReducer: the weighted gradient all-reduce for custom training loops."""
 
+import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -10,8 +11,8 @@ from torch import Tensor
 
 from hetcomm import ops
 from hetcomm.comm.buckets import Bucket, make_buckets
-from hetcomm.comm.collectives import check_same_layout, launch_all_reduce, wait
-from hetcomm.comm.weights import agree_share
+from hetcomm.comm.collectives import check_same_layout, control_device, launch_all_reduce, wait
+from hetcomm.comm.weights import Share, agree_share
 
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,6 +44,19 @@ def scalar_on(value: float | Tensor, device: torch.device) -> Tensor:
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
+@dataclass
+class _Step:
+    """One reduction in progress, from begin() to finish()."""
+
+    share: Share
+    scale: Tensor            # this rank's weight, fused into pack
+    inv_loss_scale: Tensor   # fused into unpack_
+    found_inf: Tensor
+    sq_norm: Tensor
+    ready: list[set[int]]    # per bucket: the parameters whose gradient is final
+    works: list = field(default_factory=list)  # the launched all-reduces, in bucket order
+
+
 class WeightedReducer:
     """Reduces the gradients of `params` across the ranks of `process_group` so that
     every rank ends with sum_i w_i g_i, w_i = n_i / N: the gradient of the mean loss over
@@ -53,12 +67,21 @@ class WeightedReducer:
     overlaps it, and it is unpacked with the loss scale removed, the overflow check
     and the squared norm fused in.
 
+    Without overlap, call ``reduce(weight=...)`` after backward. With ``overlap=True``
+    the buckets are launched during backward, as soon as all their gradients are
+    final (in bucket order, the same on every rank, as DDP does): call
+    ``begin(weight=...)`` before the backward of the step's last micro-batch and
+    ``finish()`` after it. A parameter that gets no gradient in a step holds its bucket,
+    and the buckets after it, until finish(); leave such parameters out of `params`
+    when they are never used.
+
     Args:
         params: the parameters, in the same order on every rank (checked at the first reduce).
         process_group: the group to reduce over (default: the world).
         wire_dtype: float32, float16 or bfloat16 (not on Gloo). A 16-bit wire halves the bytes;
             use a loss scale with float16 so small gradients do not underflow.
-        bucket_cap_mb: gradient megabytes per all-reduce.
+        bucket_cap_mb: gradient megabytes per all-reduce (the first bucket takes 1 MB).
+        overlap: launch buckets from gradient hooks during backward.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
     """
@@ -66,7 +89,7 @@ class WeightedReducer:
     who = "hetcomm.WeightedReducer"
 
     def __init__(self, params: Iterable[torch.nn.Parameter], process_group=None,
-                 wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
+                 wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0, overlap: bool = False,
                  timeout: timedelta | None = None):
         if not dist.is_initialized():
             raise RuntimeError(f"{self.who}: torch.distributed is not initialised; call "
@@ -79,61 +102,120 @@ class WeightedReducer:
         self.group = process_group
         check_wire_dtype(wire_dtype, process_group, self.who)
         self.wire_dtype = wire_dtype
+        self.overlap = overlap
         self.timeout = timeout
         self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self._layout_checked = False
+        self._step: _Step | None = None
+        self._next_launch = 0
+        self._hooks = []
+        if overlap:
+            for index, bucket in enumerate(self.buckets):
+                for p in bucket.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(self._grad_ready, index)))
 
     def reduce(self, weight: float | None = None, *, count: float | None = None,
                loss_scale: float | Tensor | None = None) -> ReduceResult:
-        """Reduces the gradients in place (`p.grad`) and returns what it found.
+        """begin() and finish() in one call, after backward (not with overlap=True)."""
+        if self.overlap:
+            raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
+                               f"after it")
+        self.begin(weight, count=count, loss_scale=loss_scale)
+        return self.finish()
+
+    def begin(self, weight: float | None = None, *, count: float | None = None,
+              loss_scale: float | Tensor | None = None) -> None:
+        """Agrees with the other ranks on this step's weights; with overlap=True, arms
+        the gradient hooks for the coming backward.
 
         Args:
             weight: this rank's share n_i / N of the global batch; the weights of all ranks
                 must add up to 1.
             count: instead of weight, this rank's n_i (samples, or tokens that carry loss);
-                N is obtained with one tiny all-reduce.
+                N is obtained in the same tiny all-reduce.
             loss_scale: the factor the local gradients carry (the loss was multiplied by
                 it before backward); divided out while unpacking.
+
+        Raises the same ValueError on every rank if any rank's weight or count is bad.
+        """
+        if (weight is None) == (count is None):
+            raise ValueError(f"{self.who}: pass exactly one of weight= and count=")
+        if self._step is not None:
+            raise RuntimeError(f"{self.who}: begin() called twice; call finish() to end the previous step")
+        if not self._layout_checked:
+            check_same_layout(self.params, self.group, self.timeout, self.who)
+            self._layout_checked = True
+        share = agree_share(float(weight if count is None else count), count is not None, self.group,
+                            self.timeout, self.who)
+        device = self.params[0].device
+        inv_loss_scale = scalar_on(1.0 if loss_scale is None else loss_scale, device).reciprocal()
+        self._step = _Step(share=share, scale=scalar_on(share.weight, device), inv_loss_scale=inv_loss_scale,
+                           found_inf=torch.zeros(1, device=device), sq_norm=torch.zeros(1, device=device),
+                           ready=[set() for _ in self.buckets])
+        self._next_launch = 0
+
+    def finish(self) -> ReduceResult:
+        """Launches the buckets not launched yet, waits for all, unpacks them into the
+        gradients and returns what the step found (the same on every rank).
 
         A parameter whose grad is None on this rank contributes zeros; one whose grad is
         None on every rank keeps grad None, as under DDP.
         """
-        if (weight is None) == (count is None):
-            raise ValueError(f"{self.who}.reduce: pass exactly one of weight= and count=")
-        device = self.params[0].device
-        if not self._layout_checked:
-            check_same_layout(self.params, self.group, self.timeout, self.who)
-            self._layout_checked = True
+        step = self._step
+        if step is None:
+            raise RuntimeError(f"{self.who}: finish() without begin()")
         used_here = [p.grad is not None for p in self.params]
-        share = agree_share(float(weight if count is None else count), count is not None, self.group,
-                            self.timeout, self.who, used_here)
-        self._prepare_grads()
-
-        scale = scalar_on(share.weight, device)
-        inv_loss_scale = scalar_on(1.0, device) if loss_scale is None else scalar_on(loss_scale, device).reciprocal()
-        found_inf = torch.zeros(1, device=device)
-        sq_norm = torch.zeros(1, device=device)
-        pending = []
-        for bucket in self.buckets:
-            grads = [p.grad for p in bucket.params]
-            if bucket.wire is None:
-                bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.params[0].device)
-            ops.pack(grads, scale, out=bucket.wire)
-            pending.append(launch_all_reduce(bucket.wire, self.group))
-        for index, (bucket, work) in enumerate(zip(self.buckets, pending)):
+        while self._next_launch < len(self.buckets):
+            self._launch_next(step)
+        # Behind the gradients in the queue, so its latency hides under the unpacking.
+        used = torch.tensor(used_here, dtype=torch.int32, device=control_device(self.group))
+        used_work = launch_all_reduce(used, self.group)
+        for index, (bucket, work) in enumerate(zip(self.buckets, step.works)):
             wait(work, self.timeout, f"{self.who}: the all-reduce of bucket {index}")
-            ops.unpack_(bucket.wire, [p.grad for p in bucket.params], inv_loss_scale, found_inf, sq_norm)
-        for p, used in zip(self.params, share.used_anywhere):
-            if not used:
+            ops.unpack_(bucket.wire, [p.grad for p in bucket.params], step.inv_loss_scale, step.found_inf,
+                        step.sq_norm)
+        wait(used_work, self.timeout, f"{self.who}: the agreement on unused parameters")
+        for p, users in zip(self.params, used.tolist()):
+            if users == 0:
                 p.grad = None
-        return ReduceResult(found_inf=found_inf, grad_norm=sq_norm.sqrt(), weight=share.weight,
-                            total=share.total)
+        self._step = None
+        return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt(), weight=step.share.weight,
+                            total=step.share.total)
 
-    def _prepare_grads(self) -> None:
-        """Gives zeros to parameters without a gradient here, and makes every gradient
-        contiguous (the packing kernels read them as flat memory)."""
-        for p in self.params:
+    def remove_hooks(self) -> None:
+        """Detaches the gradient hooks of overlap=True."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        """Gradient hook: marks `param` final and launches every bucket, in order, whose
+        gradients are all final. Hooks outside begin()..finish() (earlier micro-batches
+        of an accumulation) are ignored."""
+        step = self._step
+        if step is None:
+            return
+        if index < self._next_launch:
+            raise RuntimeError(f"{self.who}: a gradient of bucket {index} changed after the bucket was sent; "
+                               f"call begin() before the backward of the step's last micro-batch only")
+        step.ready[index].add(id(param))
+        while (self._next_launch < len(self.buckets)
+               and len(step.ready[self._next_launch]) == len(self.buckets[self._next_launch].params)):
+            self._launch_next(step)
+
+    def _launch_next(self, step: _Step) -> None:
+        bucket = self.buckets[self._next_launch]
+        grads = []
+        for p in bucket.params:
+            # Zeros for a gradient this rank did not produce; contiguous for the kernels.
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
+            grads.append(p.grad)
+        if bucket.wire is None:
+            bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.params[0].device)
+        ops.pack(grads, step.scale, out=bucket.wire)
+        step.works.append(launch_all_reduce(bucket.wire, self.group))
+        self._next_launch += 1
