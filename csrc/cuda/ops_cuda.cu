@@ -1,0 +1,80 @@
+// CUDA kernels of the hetcomm ops: validate and plan (ops/plans), then run the
+// segment list on the current stream (cuda/multi_tensor_cuda). Scales, found_inf and
+// sq_norm are read and written by the kernels on the device: no host synchronisation.
+#include "cuda/multi_tensor_cuda.h"
+#include "ops/checks.h"
+#include "ops/plans.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+namespace hetcomm::cuda {
+namespace {
+
+// Runs a validated plan on `device` (which the plan checked every tensor is on).
+void run_on(const c10::Device& device, const SegmentList& segments, const float* scale, Work work,
+            float* found_inf = nullptr, double* partials = nullptr) {
+  const c10::cuda::CUDAGuard guard(device);
+  run_segments(segments, scale, work, found_inf, partials, device.index(),
+               c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+void pack_out_cuda(at::TensorList src, const at::Tensor& scale, at::Tensor& out) {
+  const SegmentList segments = plan_pack(src, scale, out);
+  run_on(out.device(), segments, scale.const_data_ptr<float>(), Work::kScaleCast);
+}
+
+at::Tensor pack_cuda(at::TensorList src, const at::Tensor& scale, c10::ScalarType dtype) {
+  const int64_t total = check_pack_sources(src, scale);
+  check_supported_dtype("pack", "dtype", dtype);
+  at::Tensor out = at::empty({total}, src[0].options().dtype(dtype));
+  pack_out_cuda(src, scale, out);
+  return out;
+}
+
+void unpack_cuda(const at::Tensor& flat, at::TensorList dst, const at::Tensor& scale, at::Tensor& found_inf,
+                 const std::optional<at::Tensor>& sq_norm) {
+  const SegmentList segments = plan_unpack(flat, dst, scale, found_inf, sq_norm);
+  if (!sq_norm.has_value()) {
+    run_on(flat.device(), segments, scale.const_data_ptr<float>(), Work::kScaleCastCheckOutput,
+           found_inf.mutable_data_ptr<float>());
+    return;
+  }
+  // One partial sum per chunk, added up in chunk order by a second launch: the same
+  // bits on every run, unlike float atomics whose order changes run to run.
+  const int64_t chunks = count_chunks(segments);
+  if (chunks == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(flat.device());
+  const at::Tensor partials = at::empty({chunks}, flat.options().dtype(at::kDouble));
+  run_on(flat.device(), segments, scale.const_data_ptr<float>(), Work::kScaleCastCheckOutputSumSq,
+         found_inf.mutable_data_ptr<float>(), partials.mutable_data_ptr<double>());
+  add_sum_of_squares(partials.const_data_ptr<double>(), chunks, sq_norm->mutable_data_ptr<float>(),
+                     c10::cuda::getCurrentCUDAStream(flat.device().index()).stream());
+}
+
+void unscale_cuda(at::TensorList tensors, const at::Tensor& inv_scale, at::Tensor& found_inf) {
+  const SegmentList segments = plan_unscale(tensors, inv_scale, found_inf);
+  run_on(found_inf.device(), segments, inv_scale.const_data_ptr<float>(), Work::kScaleCastCheckInput,
+         found_inf.mutable_data_ptr<float>());
+}
+
+void cast_cuda(at::TensorList src, at::TensorList dst) {
+  const SegmentList segments = plan_cast(src, dst);
+  run_on(src[0].device(), segments, nullptr, Work::kScaleCast);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hetcomm, CUDA, m) {
+  m.impl("pack", &pack_cuda);
+  m.impl("pack.out", &pack_out_cuda);
+  m.impl("unpack_", &unpack_cuda);
+  m.impl("unscale_", &unscale_cuda);
+  m.impl("cast_", &cast_cuda);
+}
+
+}  // namespace hetcomm::cuda
