@@ -1,0 +1,50 @@
+"""The rebalancer across ranks: every rank learns every rank's compute time, rank 0
+decides, and its split is broadcast, so all ranks switch on the same step to the same
+split whatever their own floating-point state."""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.balance.rebalancer import RebalanceDecision, Rebalancer
+from hetcomm.comm.collectives import control_device
+
+
+class DistributedRebalancer:
+    """Wraps a Rebalancer built identically on every rank. Call step() on every rank
+    once per optimizer step, after the step's compute and before the next one starts.
+    Checkpoint rank 0's rebalancer.state_dict(): its decision state (the streak) is
+    the one that counts."""
+
+    def __init__(self, rebalancer: Rebalancer, group=None):
+        if dist.get_world_size(group) != len(rebalancer.sizes):
+            raise ValueError(f"rebalancer: its split has {len(rebalancer.sizes)} ranks, the process group "
+                             f"{dist.get_world_size(group)}")
+        self.rebalancer = rebalancer
+        self.group = group
+        self.device = control_device(group)
+        self.source = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def step(self, compute_time: float) -> RebalanceDecision:
+        """Takes this rank's compute time for the step just done; returns the split for
+        the next one (the same on every rank).
+
+        One SUM all-reduce gathers the times (each rank fills its own slot), so every
+        rank validates the same numbers and a bad one raises the same error everywhere,
+        not a hang; then one broadcast of rank 0's split as int64. The predicted and
+        required gains are known on rank 0 only (NaN elsewhere)."""
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        times = torch.zeros(world, dtype=torch.float64, device=self.device)
+        times[rank] = compute_time
+        dist.all_reduce(times, group=self.group)
+        self.rebalancer.update(times.tolist())
+        decision = self.rebalancer.decide() if rank == 0 else None
+        split = torch.tensor(decision.sizes if decision else self.rebalancer.sizes, dtype=torch.int64,
+                             device=self.device)
+        dist.broadcast(split, src=self.source, group=self.group)
+        sizes = tuple(split.tolist())
+        changed = self.rebalancer.adopt(sizes)
+        if decision is None:
+            return RebalanceDecision(sizes, changed, predicted_gain=math.nan, required_gain=math.nan)
+        return RebalanceDecision(sizes, changed, decision.predicted_gain, decision.required_gain)

@@ -1,0 +1,170 @@
+"""Rebalancing while training: smoothed per-rank speed from measured compute times,
+and a new split only when it is predicted to pay off.
+
+The model of rank i is its profiled shape a_i + c_i·b (one micro-step) divided by a
+speed factor s_i: a card that throttles, or shares its host, slows down as a whole.
+Each step, s_i is measured as the profile's prediction for the samples the rank
+processed over the compute time it took (excluding any wait for other ranks), and
+smoothed by an exponentially weighted moving average. Without profiles the shape is
+a = 0, c = 1 and s_i is plainly the rank's throughput in samples per second. Before
+the average, each measurement is replaced by the median of the rank's last three: one
+stalled step (a page fault, a collector pause, a checkpoint write) then moves nothing.
+
+Four things keep the split from chasing noise. The predicted speed-up of the best
+split over the current one must exceed `threshold` (5% by default, as in Cannikin)
+plus a noise margin: twice the largest relative standard error of a rank's estimate,
+sqrt(v_i·α/(2−α)) for an average with weight α over measurements whose squared
+relative deviation averages v_i. So on a quiet cluster the threshold alone decides,
+and on a noisy one (CPU processes sharing cores) a gain must stand out of the noise.
+It must do so on `patience` consecutive steps, and after a change no other change
+happens for `cooldown` steps (the new split's measurements have to come in first).
+"""
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetcomm.balance.solver import predict_rank_times, solve_split
+
+SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """The split to use from the next step on."""
+
+    sizes: tuple[int, ...]
+    changed: bool
+    predicted_gain: float   # best split's predicted speed-up over the current split's, minus 1
+    required_gain: float    # what it had to exceed: the threshold plus the noise margin
+
+
+class Rebalancer:
+    """The decision logic, free of torch.distributed: feed it every rank's compute time
+    each step (update), ask for a decision (decide), apply one (adopt); or all three at
+    once in a single process (observe). The global batch never changes.
+
+    Args:
+        global_batch, memory_caps, policy, min_per_rank: as for solve_split.
+        sizes: the split in use now.
+        profiles: per rank the profiled (fixed, per_sample) shape; None: throughput only.
+        threshold: the least predicted speed-up, minus 1, worth a change (before the noise margin).
+        smoothing: the EWMA weight of a new measurement.
+        patience: consecutive steps the gain must hold. cooldown: steps after a change with no other.
+    """
+
+    def __init__(self, global_batch: int, sizes: Sequence[int], profiles: Sequence | None = None, *,
+                 memory_caps: Sequence[int | None] | None = None, policy: str = "accumulate",
+                 min_per_rank: int = 1, threshold: float = 0.05, smoothing: float = 0.2, patience: int = 3,
+                 cooldown: int = 10):
+        ranks = len(sizes)
+        if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(f"threshold = {threshold!r}: expected a finite, non-negative fraction (0.05 for 5%)")
+        if not (isinstance(smoothing, (int, float)) and 0 < smoothing <= 1):
+            raise ValueError(f"smoothing = {smoothing!r}: expected the EWMA weight of a new measurement, in (0, 1]")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience = {patience!r}: expected a positive number of consecutive steps")
+        if isinstance(cooldown, bool) or not isinstance(cooldown, int) or cooldown < 0:
+            raise ValueError(f"cooldown = {cooldown!r}: expected a non-negative number of steps")
+        if profiles is None:
+            profiles = [(0.0, 1.0)] * ranks
+        elif len(profiles) != ranks:
+            raise ValueError(f"profiles has {len(profiles)} entries for {ranks} ranks in sizes; expected one per rank")
+        # Fails here, at construction, on anything the solver would reject later.
+        solve_split(global_batch, profiles, memory_caps, policy, min_per_rank=min_per_rank)
+        self.global_batch = global_batch
+        self.profiles = [(float(a), float(c)) for a, c in profiles]
+        self.memory_caps, self.policy, self.min_per_rank = memory_caps, policy, min_per_rank
+        self.threshold, self.smoothing, self.patience, self.cooldown = threshold, smoothing, patience, cooldown
+        self.sizes: tuple[int, ...] = ()
+        self.speeds = [1.0] * ranks          # s_i; 1 until the rank is first measured
+        self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER raw speeds per rank
+        self.variances = [0.0] * ranks       # v_i: smoothed squared log-deviation of a measurement from s_i
+        self.steps_since_change = 0
+        self.streak = 0                      # consecutive decisions that found a gain above threshold
+        self.adopt(sizes)
+        predict_rank_times(self.sizes, self.profiles, memory_caps, policy)  # a split that breaks a hard cap fails here
+
+    def model(self) -> list[tuple[float, float]]:
+        """The current (fixed, per_sample) profiles: the profiled shape over the smoothed speed."""
+        return [(a / s, c / s) for (a, c), s in zip(self.profiles, self.speeds)]
+
+    def update(self, compute_times: Sequence[float]) -> None:
+        """Folds one step's compute time per rank (seconds for that rank's samples of the
+        current split, excluding waits) into the speed estimates. A rank with no samples
+        this step has nothing to measure and keeps its estimate."""
+        if len(compute_times) != len(self.sizes):
+            raise ValueError(f"compute_times has {len(compute_times)} entries for {len(self.sizes)} ranks")
+        predicted = predict_rank_times(self.sizes, self.profiles, self.memory_caps, self.policy)
+        for i, (seconds, size) in enumerate(zip(compute_times, self.sizes)):
+            if size == 0:
+                continue
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
+                                 f"(rank {i} processed {size} samples)")
+            recent = self.recent[i] = (self.recent[i] + [predicted[i] / seconds])[-SPIKE_FILTER:]
+            speed = statistics.median(recent)
+            if len(recent) > 1:
+                deviation = math.log(speed / self.speeds[i]) ** 2
+                self.variances[i] = (1 - self.smoothing) * self.variances[i] + self.smoothing * deviation
+                speed = (1 - self.smoothing) * self.speeds[i] + self.smoothing * speed
+            self.speeds[i] = speed
+        self.steps_since_change += 1
+
+    def required_gain(self) -> float:
+        """The threshold plus twice the largest relative standard error of an estimate."""
+        shrink = self.smoothing / (2 - self.smoothing)
+        return self.threshold + 2 * math.sqrt(max(self.variances) * shrink)
+
+    def decide(self) -> RebalanceDecision:
+        """Solves for the best split under the current estimates; proposes it when its
+        predicted gain has beaten the required gain for `patience` consecutive steps
+        outside the cool-down. Does not adopt it: call adopt with the decision's sizes."""
+        model = self.model()
+        best = solve_split(self.global_batch, model, self.memory_caps, self.policy, min_per_rank=self.min_per_rank)
+        current = max(predict_rank_times(self.sizes, model, self.memory_caps, self.policy))
+        gain, required = current / best.step_time - 1, self.required_gain()
+        if self.steps_since_change < self.cooldown or gain <= required:
+            self.streak = 0
+        else:
+            self.streak += 1
+        changed = self.streak >= self.patience and best.sizes != self.sizes
+        return RebalanceDecision(best.sizes if changed else self.sizes, changed, gain, required)
+
+    def adopt(self, sizes: Sequence[int]) -> bool:
+        """Makes `sizes` the current split; returns whether it differs from the last one
+        (and if so restarts the cool-down)."""
+        sizes = tuple(sizes)
+        if len(self.sizes) and len(sizes) != len(self.sizes):
+            raise ValueError(f"sizes has {len(sizes)} entries for {len(self.sizes)} ranks")
+        counts = all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in sizes)
+        if not counts or sum(sizes) != self.global_batch:
+            raise ValueError(f"sizes = {list(sizes)}: expected non-negative integers adding up to the global batch "
+                             f"{self.global_batch}, which stays fixed")
+        if sizes == self.sizes:
+            return False
+        self.sizes, self.steps_since_change, self.streak = sizes, 0, 0
+        return True
+
+    def observe(self, compute_times: Sequence[float]) -> RebalanceDecision:
+        """update, decide and adopt in one process."""
+        self.update(compute_times)
+        decision = self.decide()
+        self.adopt(decision.sizes)
+        return decision
+
+    def state_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
+                "variances": list(self.variances), "steps_since_change": self.steps_since_change,
+                "streak": self.streak}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["speeds"]) != len(self.sizes) or len(state["recent"]) != len(self.sizes):
+            raise ValueError(f"state_dict holds estimates for {len(state['speeds'])} ranks; this rebalancer has "
+                             f"{len(self.sizes)}")
+        self.adopt(state["sizes"])
+        self.speeds = [float(s) for s in state["speeds"]]
+        self.recent = [[float(s) for s in r] for r in state["recent"]]
+        self.variances = [float(v) for v in state["variances"]]
+        self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])

@@ -1,0 +1,153 @@
+"""The rebalancer's decisions on simulated clusters (pure, no processes), and the
+distributed wrapper on Gloo ranks: rank 0 decides, every rank follows."""
+
+import math
+import random
+
+import pytest
+
+from distributed import run_ranks, values
+from hetcomm.balance import DistributedRebalancer, Rebalancer, solve_split
+
+SPEEDS = [100.0, 100.0, 50.0, 25.0]      # samples per second
+GLOBAL_BATCH = 110
+BALANCED = (40, 40, 20, 10)              # the best split for SPEEDS
+
+
+def simulate(rebalancer, speeds_at, steps, noise, seed=0, start=0):
+    """Feeds the rebalancer compute times b_i / s_i with log-normal noise of relative
+    size `noise`, for steps start .. start + steps - 1 (the noise of a step and rank
+    depends on nothing else); returns the decisions."""
+    decisions = []
+    for step in range(start, start + steps):
+        speeds = speeds_at(step)
+        times = [b / s * math.exp(random.Random(f"{seed}/{step}/{i}").gauss(0, noise))
+                 for i, (b, s) in enumerate(zip(rebalancer.sizes, speeds))]
+        decisions.append(rebalancer.observe(times))
+    return decisions
+
+
+def true_step_time(sizes, speeds):
+    return max(b / s for b, s in zip(sizes, speeds))
+
+
+def optimal_step_time(speeds):
+    return solve_split(GLOBAL_BATCH, [(0.0, 1.0 / s) for s in speeds]).step_time
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_change_under_noise(seed):
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    decisions = simulate(rebalancer, lambda step: SPEEDS, steps=400, noise=0.10, seed=seed)
+    assert not any(d.changed for d in decisions)
+    assert rebalancer.sizes == BALANCED
+
+
+def test_no_change_for_a_stalled_step():
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    stall = lambda step: [s / 20 if step == 30 and i == 1 else s for i, s in enumerate(SPEEDS)]  # noqa: E731
+    assert not any(d.changed for d in simulate(rebalancer, stall, steps=80, noise=0.02))
+
+
+def test_adopts_after_a_sustained_slowdown():
+    slowed = [SPEEDS[0] / 3] + SPEEDS[1:]
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    decisions = simulate(rebalancer, lambda step: SPEEDS if step < 50 else slowed, steps=200, noise=0.05)
+    changes = [step for step, d in enumerate(decisions) if d.changed]
+    assert changes and 50 < changes[0] <= 65
+    assert len(changes) <= 4
+    assert all(d.predicted_gain > d.required_gain >= 0.05 for d in decisions if d.changed)
+    # Settled within the threshold of the best split for the new speeds.
+    assert true_step_time(rebalancer.sizes, slowed) <= 1.05 * optimal_step_time(slowed)
+    assert true_step_time(BALANCED, slowed) > 1.5 * optimal_step_time(slowed)
+
+
+def test_a_gain_below_the_threshold_is_not_taken():
+    slightly_slower = [SPEEDS[0] * 0.97] + SPEEDS[1:]
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    decisions = simulate(rebalancer, lambda step: slightly_slower, steps=100, noise=0.0)
+    assert not any(d.changed for d in decisions)
+    assert 0 < decisions[-1].predicted_gain < 0.05
+
+
+def test_cooldown_and_patience():
+    rebalancer = Rebalancer(GLOBAL_BATCH, (30, 30, 30, 20), patience=2, cooldown=5)
+    decisions = simulate(rebalancer, lambda step: SPEEDS, steps=10, noise=0.0)
+    # Observations 0-3 fall in the cool-down after construction; 4 starts the streak, 5 completes it.
+    assert [d.changed for d in decisions] == [False] * 5 + [True] + [False] * 4
+    assert rebalancer.sizes == BALANCED
+    # Any change restarts the cool-down.
+    rebalancer.adopt((30, 30, 30, 20))
+    decisions = simulate(rebalancer, lambda step: SPEEDS, steps=10, noise=0.0)
+    assert [d.changed for d in decisions] == [False] * 5 + [True] + [False] * 4
+
+
+def test_ranks_without_samples_keep_their_estimate():
+    rebalancer = Rebalancer(10, (10, 0), min_per_rank=0)
+    rebalancer.observe([0.1, 0.0])
+    assert rebalancer.speeds == [100.0, 1.0]
+
+
+def test_state_dict_resumes_the_same_decisions():
+    slowed = lambda step: SPEEDS if step < 20 else [SPEEDS[0] / 3] + SPEEDS[1:]  # noqa: E731
+    straight = Rebalancer(GLOBAL_BATCH, BALANCED)
+    expected = simulate(straight, slowed, steps=60, noise=0.05, seed=4)
+
+    first = Rebalancer(GLOBAL_BATCH, BALANCED)
+    head = simulate(first, slowed, steps=25, noise=0.05, seed=4)
+    resumed = Rebalancer(GLOBAL_BATCH, BALANCED)
+    resumed.load_state_dict(first.state_dict())
+    tail = simulate(resumed, slowed, steps=35, noise=0.05, seed=4, start=25)
+    assert any(d.changed for d in expected[25:])
+    assert head + tail == expected
+
+
+@pytest.mark.parametrize("times, message", [
+    ([0.4, 0.4, 0.4], r"compute_times has 3 entries for 4 ranks"),
+    ([0.4, 0.4, float("nan"), 0.4], r"compute_times\[2\] = nan: expected a positive, finite number of seconds"),
+    ([0.4, -1.0, 0.4, 0.4], r"compute_times\[1\] = -1.0"),
+])
+def test_bad_times(times, message):
+    with pytest.raises(ValueError, match=message):
+        Rebalancer(GLOBAL_BATCH, BALANCED).update(times)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((GLOBAL_BATCH, (40, 40, 20, 9)), {}, r"sizes = \[40, 40, 20, 9\]: expected non-negative integers adding up to "
+                                          r"the global batch 110"),
+    ((GLOBAL_BATCH, BALANCED), {"threshold": -0.1}, r"threshold = -0.1"),
+    ((GLOBAL_BATCH, BALANCED), {"smoothing": 0}, r"smoothing = 0"),
+    ((GLOBAL_BATCH, BALANCED), {"patience": 0}, r"patience = 0"),
+    ((GLOBAL_BATCH, BALANCED), {"profiles": [(0.0, 1.0)]}, r"profiles has 1 entries for 4 ranks"),
+    ((GLOBAL_BATCH, BALANCED), {"memory_caps": [50, 50, 5, 10], "policy": "move"},
+     r"sizes\[2\] = 20 exceeds memory_caps\[2\] = 5"),
+    ((3, (1, 1, 1, 0)), {}, r"global_batch = 3 is smaller than 4 ranks"),
+])
+def test_bad_configuration(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Rebalancer(*args, **kwargs)
+
+
+def follow_rank_zero(rank, world_size):
+    """Each rank reports a compute time from its own clock; rank 2 slows down 4x at
+    step 3. Rank 1's own rebalancer would never change anything (threshold 100): it
+    must follow rank 0 regardless. Threshold 0 elsewhere: without noise the split
+    must end exactly at the optimum."""
+    speeds = [100.0, 50.0, 50.0]
+    rebalancer = Rebalancer(60, (30, 15, 15), threshold=100.0 if rank == 1 else 0.0, patience=2, cooldown=2)
+    balancer = DistributedRebalancer(rebalancer)
+    history = []
+    for step in range(40):
+        speed = speeds[rank] / (4 if rank == 2 and step >= 3 else 1)
+        decision = balancer.step(rebalancer.sizes[rank] / speed)
+        history.append((decision.sizes, decision.changed))
+    return history
+
+
+def test_distributed_ranks_agree_on_rank_zeros_split(tmp_path):
+    histories = values(run_ranks(3, follow_rank_zero, tmp_path=tmp_path))
+    assert histories[0] == histories[1] == histories[2]
+    splits = [sizes for sizes, _ in histories[0]]
+    assert splits[0] == (30, 15, 15)
+    assert splits[-1] == solve_split(60, [(0.0, 0.01), (0.0, 0.02), (0.0, 0.08)]).sizes
+    assert sum(changed for _, changed in histories[0]) >= 1
