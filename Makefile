@@ -1,7 +1,9 @@
 # Quick start (each sets up .venv on first use: torch, the build, the test tools):
-#   make demo    one simulated weighted gradient reduction, checked and timed
+#   make train   the main job on its built-in default: a simulated cluster of 4 CPU workers of
+#                different speeds trains a small GPT, then says what balancing bought
 #   make test    the test suite
-# Also: make bench (CPU benchmarks and their table), make info, make clean.
+# Also: make demo (one weighted reduction, checked and timed), make bench (CPU benchmarks and
+# their table), make info, make clean.
 #
 # TORCH picks the torch build, e.g. make test TORCH=torch==2.13.0 (CPU-only wheel).
 # HETCOMM_CUDA=1 makes the build fail rather than fall back to CPU-only (see setup.py).
@@ -13,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetcomm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
 
-.PHONY: demo test bench info clean
+.PHONY: train demo test bench info clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +23,9 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install --quiet "$(TORCH)" ninja numpy
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
 	touch $@
+
+train: $(STAMP)
+	$(VENV)/bin/hetcomm train
 
 demo: $(STAMP)
 	$(VENV)/bin/hetcomm demo

@@ -11,10 +11,19 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("info", help="versions, built back ends, kernels per op, devices (JSON)")
     commands.add_parser("demo", help="one simulated weighted gradient reduction, checked and timed",
                         add_help=False)
+    commands.add_parser("train", help="train a GPT across devices of different speeds (default: a simulated "
+                                      "cluster of 4 CPU workers)", add_help=False)
+    commands.add_parser("report", help="PNG plots of a run directory", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from hetcomm.demo import main as demo
         return demo(rest)
+    if args.command == "train":
+        from hetcomm.train.launch import main as train
+        return train(rest)
+    if args.command == "report":
+        from hetcomm.train.report import main as report
+        return report(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":

@@ -1,0 +1,100 @@
+"""The shape of the published legacy-GPU study (ANCHORS.md) on a simulated cluster: the
+time to train the same number of tokens on 4 CPU workers of speed factors 1, 1, 0.5
+and 0.25 (Gloo, one machine; every figure here is from a SIMULATED cluster) with
+
+  (a) an equal split (plain DDP, HetSeq),
+  (b) a static split from one profile of the first steps (FastSpeed-style),
+  (c) hetcomm's balancer, rebalancing while training,
+
+each once as is and once with rank 1 slowing to a quarter of its speed half-way (a
+card that starts throttling), plus the ideal bound: the global batch over the sum of
+the ranks' measured throughputs, step by step, with no communication at all.
+
+    python benchmarks/bench_hetero_cluster.py                 # ~8 minutes on 2 cores
+    python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SPEEDS = "1,1,0.5,0.25"
+# Steps of about a second on 2 cores, so that the per-step collectives are a few percent of a step.
+MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch", "96"]
+STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "hetcomm rebalancing": "dynamic"}
+
+
+def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:
+    command = [sys.executable, "-m", "hetcomm", "train", "--speeds", SPEEDS, "--steps", str(steps), "--balance",
+               strategy, "--out", str(out), "--no-progress", *MODEL]
+    if slowdown:
+        command += ["--slowdown", slowdown]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    steps_log = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return {"steps": steps_log, "summary": json.loads((out / "summary.json").read_text())}
+
+
+def ideal_seconds(steps_log: list[dict], slowdown_step: int | None) -> float:
+    """Sum over steps of B / sum_i s_i, s_i being rank i's median measured throughput in
+    its regime (before and after the slowdown), over all runs' steps given."""
+    def medians(part):
+        ranks = len(part[0]["micro_batch"])
+        return [statistics.median(s["samples_per_second"][r] for s in part if s["samples_per_second"][r] > 0)
+                for r in range(ranks)]
+    parts = [steps_log] if slowdown_step is None else [steps_log[:slowdown_step], steps_log[slowdown_step:]]
+    total = 0.0
+    for part in parts:
+        throughput = sum(medians(part))
+        total += sum(sum(s["micro_batch"]) for s in part) / throughput
+    return total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    slowdown_step = args.steps // 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
+            results = {}
+            for label, strategy in STRATEGIES.items():
+                start = time.perf_counter()
+                result = run(strategy, args.steps, slowdown, Path(tmp) / f"{strategy}-{bool(slowdown)}")
+                train_seconds = sum(s["step_s"] for s in result["steps"])
+                results[label] = (train_seconds, time.perf_counter() - start, result)
+            # The bound uses the throughputs measured in the rebalancing run (every rank busy).
+            ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"],
+                                  slowdown_step if slowdown else None)
+            equal_seconds = results["equal split"][0]
+            for label, (seconds, wall, _) in results.items():
+                rows.append({"scenario": scenario, "strategy": label, "train_seconds": seconds,
+                             "wall_seconds_with_startup": wall,
+                             "reduction_vs_equal": 1 - seconds / equal_seconds, "over_ideal": seconds / ideal - 1})
+            rows.append({"scenario": scenario, "strategy": "ideal bound (measured throughputs, no communication)",
+                         "train_seconds": ideal, "reduction_vs_equal": 1 - ideal / equal_seconds, "over_ideal": 0.0})
+    tokens = args.steps * 96 * 128
+    print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
+          f"CPU machine: 4 Gloo workers, speed factors {SPEEDS}, GPT 2x192, {args.steps} steps of 96 windows x 128 "
+          f"tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step times; process "
+          f"start-up excluded).\n")
+    print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | {100 * r['reduction_vs_equal']:.0f}% | "
+              f"{100 * r['over_ideal']:+.0f}% |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Precision per device, and one dynamic loss scale shared by every rank.
+
+The policy follows what each generation does well: Pascal GP102/GP104 (sm_61: GTX
+1080 Ti, Titan Xp, P40) run fp16 arithmetic at 1/64 rate, so they stay in fp32; P100
+(sm_60), Volta and Turing have fast fp16 but no bf16, so they use fp16 with a loss
+scale; Ampere and newer use bf16. CPUs train in fp32.
+
+The loss scale is global: every rank applies the same scale before backward, and
+updates it from the reducer's found_inf, which is identical on every rank, so the
+ranks never drift apart (GradScaler under uneven inputs can: pytorch#90057).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for this device, or None for plain fp32."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability == (6, 1):
+        return None
+    if capability >= (8, 0):
+        return torch.bfloat16
+    return torch.float16
+
+
+@dataclass
+class DynamicLossScaler:
+    """GradScaler's schedule (start 2^16, x2 after 2000 clean steps, x0.5 on overflow),
+    driven by an overflow verdict every rank shares."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    clean_steps: int = 0
+
+    def __post_init__(self):
+        if not (self.scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
+                and self.growth_interval >= 1 and self.min_scale > 0):
+            raise ValueError(f"DynamicLossScaler: invalid settings {self}")
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: back off on overflow (the step was skipped), grow after a run
+        of clean steps."""
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])

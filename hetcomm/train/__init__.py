@@ -1,0 +1,2 @@
+"""The minimal heterogeneous trainer: composes the model, data, balancer, weighted
+reducer and loss scaler (`hetcomm train`)."""

@@ -1,0 +1,172 @@
+"""The trainer's settings: one dataclass, filled from the command line and checked
+before any process starts, so that bad input is one clear message and nothing runs."""
+
+import argparse
+from dataclasses import asdict, dataclass, field
+
+from hetcomm.train.simulate import parse_slowdown, parse_speeds
+
+DEFAULT_CPU_RANKS = 4
+DEFAULT_CPU_SPEEDS = "1,1,0.5,0.25"
+WIRES = ("float16", "float32", "bfloat16")
+BALANCE = ("dynamic", "static", "equal")
+
+
+@dataclass
+class TrainConfig:
+    # the job
+    steps: int = 150
+    global_batch: int = 32        # training windows per optimizer step, over all ranks
+    block_size: int = 64
+    # the model (GPT)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    # optimisation: AdamW, linear warm-up then cosine decay to min_lr
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    wire: str = "float16"
+    loss_scale: float = 2.0**12   # initial dynamic loss scale (fp16 wire or fp16 compute)
+    # balancing
+    balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
+    equal_steps: int = 3          # the first steps run the equal split: baseline and first profile
+    rebalance_threshold: float = 0.05
+    split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
+    memory_caps: str | None = None
+    # the cluster
+    nproc: int | None = None
+    device: str = "auto"          # auto: cuda if available, else cpu
+    speeds: str | None = None
+    slowdown: list[str] = field(default_factory=list)
+    # data and files
+    data: str | None = None
+    out: str = "runs/latest"
+    resume: str | None = None
+    checkpoint_every: int = 0
+    seed: int = 0
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hetcomm train",
+        description="Train a GPT data-parallel across devices of different speeds, each rank getting the share "
+                    "of the global batch it can finish in the same time. Without arguments on a machine without "
+                    "GPUs: a simulated cluster of 4 CPU workers with speeds 1, 1, 0.5 and 0.25.",
+        epilog="Under torchrun (env://) it joins the job it is given: torchrun --nproc-per-node 4 -m hetcomm train")
+    d = TrainConfig()
+    job = p.add_argument_group("job")
+    job.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    job.add_argument("--global-batch", type=int, default=d.global_batch,
+                     help="windows per optimizer step over all ranks (default %(default)s)")
+    job.add_argument("--block-size", type=int, default=d.block_size, help="tokens per window (default %(default)s)")
+    model = p.add_argument_group("model")
+    model.add_argument("--n-layer", type=int, default=d.n_layer)
+    model.add_argument("--n-head", type=int, default=d.n_head)
+    model.add_argument("--n-embd", type=int, default=d.n_embd)
+    model.add_argument("--dropout", type=float, default=d.dropout)
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--lr", type=float, default=d.lr)
+    opt.add_argument("--min-lr", type=float, default=d.min_lr)
+    opt.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    opt.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm (0: off)")
+    opt.add_argument("--wire", choices=WIRES, default=d.wire, help="gradient all-reduce dtype (default %(default)s)")
+    opt.add_argument("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale")
+    bal = p.add_argument_group("balancing")
+    bal.add_argument("--balance", choices=BALANCE, default=d.balance,
+                     help="dynamic: profile, then rebalance while training; static: one split from the first "
+                          "profile (FastSpeed-style); equal: every rank the same share")
+    bal.add_argument("--equal-steps", type=int, default=d.equal_steps,
+                     help="steps run with the equal split first: the baseline and the first profile")
+    bal.add_argument("--rebalance-threshold", type=float, default=d.rebalance_threshold,
+                     help="adopt a new split only if it predicts this much less step time (default %(default)s)")
+    bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "
+                                     "overrides --balance")
+    bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes "
+                                           "gradient accumulation)")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
+    cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    cluster.add_argument("--speeds", help="simulated speed factor per rank, e.g. 1,1,0.5,0.25 (CPU default)")
+    cluster.add_argument("--slowdown", action="append", default=[], metavar="RANK:STEP:FACTOR",
+                         help="simulate a card that slows down: rank RANK runs FACTOR times as fast from STEP on")
+    files = p.add_argument_group("data and files")
+    files.add_argument("--data", help="a text file (byte tokens) or a uint16 .bin of tokens; default: Python's "
+                                      "standard-library sources")
+    files.add_argument("--out", default=d.out, help="run directory: log, checkpoints, plots (default %(default)s)")
+    files.add_argument("--resume", help="checkpoint to continue from")
+    files.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints "
+                                                                                          "(0: only at the end)")
+    files.add_argument("--seed", type=int, default=d.seed)
+    files.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__})
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    """Raises ValueError naming the option for every setting that cannot work."""
+    positive = {"--steps": config.steps, "--global-batch": config.global_batch, "--block-size": config.block_size,
+                "--lr": config.lr, "--loss-scale": config.loss_scale}
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive; got {value}")
+    for name, value in {"--min-lr": config.min_lr, "--warmup-steps": config.warmup_steps,
+                        "--weight-decay": config.weight_decay, "--grad-clip": config.grad_clip,
+                        "--equal-steps": config.equal_steps, "--checkpoint-every": config.checkpoint_every}.items():
+        if value < 0:
+            raise ValueError(f"{name} must not be negative; got {value}")
+    if config.global_batch < world_size:
+        raise ValueError(f"--global-batch {config.global_batch} is smaller than the {world_size} ranks: every rank "
+                         f"needs at least one window per step at the start; use --global-batch {world_size} or more")
+    if config.speeds is not None:
+        parse_speeds(config.speeds, world_size)
+    for text in config.slowdown:
+        parse_slowdown(text, world_size)
+    if config.memory_caps is not None:
+        parse_caps(config.memory_caps, world_size)
+    if config.split is not None:
+        parse_split(config.split, world_size, config.global_batch)
+    if config.wire == "bfloat16" and config_device_is_cpu(config):
+        raise ValueError("--wire bfloat16 needs NCCL (GPUs): the Gloo backend of CPU runs cannot all-reduce "
+                         "bfloat16; use --wire float16 or float32")
+
+
+def config_device_is_cpu(config: TrainConfig) -> bool:
+    import torch
+
+    return config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+
+
+def parse_caps(text: str, world_size: int) -> list[int]:
+    try:
+        caps = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--memory-caps {text!r}: expected comma-separated whole numbers such as 16,16,8,4") from None
+    if len(caps) != world_size:
+        raise ValueError(f"--memory-caps {text!r}: {len(caps)} caps for {world_size} ranks; give one per rank")
+    if any(c < 1 for c in caps):
+        raise ValueError(f"--memory-caps {text!r}: a rank that cannot hold one window of --block-size tokens "
+                         f"cannot train; every cap must be at least 1 (larger batches become accumulation)")
+    return caps
+
+
+def parse_split(text: str, world_size: int, global_batch: int) -> tuple[int, ...]:
+    try:
+        split = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--split {text!r}: expected comma-separated whole numbers such as 12,12,6,2") from None
+    if len(split) != world_size or any(b < 0 for b in split) or sum(split) != global_batch:
+        raise ValueError(f"--split {text!r}: expected {world_size} non-negative counts adding up to --global-batch "
+                         f"{global_batch}")
+    return split

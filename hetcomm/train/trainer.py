@@ -1,0 +1,308 @@
+"""One rank's training loop: it composes the model, the data, the balancer, the weighted
+reducer and the loss scaler, and owns nothing of their insides.
+
+Per optimizer step, on every rank:
+  1. draw this rank's windows from the sampler by the current split (b_i of B);
+  2. forward/backward per micro-batch (several when b_i is over the rank's memory cap),
+     the loss being the mean over the rank's target tokens times the loss scale;
+  3. (simulated clusters) wait so that the compute takes 1/speed of its real time;
+  4. reduce: the gradient of the mean loss over all N target tokens, sum_i (n_i/N) g_i,
+     with found_inf and the global norm (identical on every rank);
+  5. unless found_inf: clip by that norm, AdamW step; update the one global loss scale;
+  6. log (rank 0), let the rebalancer pick the split of the next step (same on every rank).
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.amp import DynamicLossScaler, autocast_dtype
+from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, solve_split
+from hetcomm.comm import WeightedReducer
+from hetcomm.train.checkpoint import load_checked, save_atomic
+from hetcomm.train.config import TrainConfig, parse_caps, parse_split
+from hetcomm.train.data import TokenWindows, default_corpus, load_tokens
+from hetcomm.train.model import GPT, GPTConfig
+from hetcomm.train.runlog import RunLog
+from hetcomm.train.simulate import SimulatedSpeed, parse_slowdown, parse_speeds
+
+
+def equal_split(global_batch: int, ranks: int) -> tuple[int, ...]:
+    base, extra = divmod(global_batch, ranks)
+    return tuple(base + (r < extra) for r in range(ranks))
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+
+
+def micro_batches(indices: list[int], cap: int | None) -> list[list[int]]:
+    if cap is None or len(indices) <= cap:
+        return [indices] if indices else []
+    return [indices[i:i + cap] for i in range(0, len(indices), cap)]
+
+
+def run_description(config: TrainConfig, world: int, data_description: str, data_size: int) -> dict:
+    """What a checkpoint must match to be resumed by this run."""
+    return {"world_size": world, "global_batch": config.global_batch, "block_size": config.block_size,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "seed": config.seed,
+            "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps}
+
+
+def load_data(config: TrainConfig) -> tuple[TokenWindows, str]:
+    tokens, description = load_tokens(config.data) if config.data else default_corpus()
+    return TokenWindows(tokens, config.block_size), description
+
+
+@dataclass
+class StepStats:
+    """One rank's measurements of one step."""
+
+    compute: float      # forward/backward (and the simulated wait), seconds
+    reduce: float       # the gradient reduction, including waiting for slower ranks
+    loss_sum: float     # summed cross-entropy over this rank's target tokens
+    tokens: int
+
+
+@dataclass
+class Phase:
+    """Step times of a stretch of the run with one balancing regime."""
+
+    name: str
+    step_seconds: list[float] = field(default_factory=list)
+
+    def median(self) -> float:
+        ordered = sorted(self.step_seconds)
+        return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, rank: int, world: int, device: torch.device):
+        self.config, self.rank, self.world, self.device = config, rank, world, device
+        torch.manual_seed(config.seed)
+        self.data, data_description = load_data(config)
+        self.model = GPT(GPTConfig(vocab_size=self.data.vocab_size, block_size=config.block_size,
+                                   n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                                   dropout=config.dropout)).to(device)
+        self.optimizer = make_optimizer(self.model, config)
+        self.autocast = autocast_dtype(device)
+        wire = getattr(torch, config.wire)
+        self.reducer = WeightedReducer(self.model.parameters(), wire_dtype=wire)
+        # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
+        scaled = torch.tensor([float(wire == torch.float16 or self.autocast == torch.float16)])
+        dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
+        self.scaler = DynamicLossScaler(scale=config.loss_scale, growth_interval=200) if scaled.item() else None
+        self.caps = parse_caps(config.memory_caps, world) if config.memory_caps else None
+        self.simulated = config.speeds is not None or bool(config.slowdown)
+        speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
+        self.speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown))
+        self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
+        start_split = self.fixed_split or equal_split(config.global_batch, world)
+        self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
+        self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
+                                                           threshold=config.rebalance_threshold))
+        self.split = start_split
+        self.step = 0
+        self.description = run_description(config, world, data_description, len(self.data))
+        self.phases = [Phase("fixed split" if self.fixed_split else "equal split")]
+        if config.resume:
+            self._resume(config.resume)
+        self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
+                                       "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
+
+    # --- one step -------------------------------------------------------------------
+
+    def _draw(self) -> list[int]:
+        """This rank's windows for the next step (the sampler moves on to the next epoch
+        by itself)."""
+        for indices in self.sampler:
+            return indices
+        for indices in self.sampler:
+            return indices
+        raise RuntimeError("the sampler produced no step")
+
+    def _compute(self, indices: list[int], scale: float) -> tuple[float, int]:
+        """Forward and backward over this rank's windows; returns the summed loss and the
+        number of target tokens. The loss is divided by the token count, so that the
+        reducer's weight n_i / N makes the global mean."""
+        tokens = len(indices) * self.config.block_size
+        loss_sum = torch.zeros((), device=self.device)
+        cap = self.caps[self.rank] if self.caps else None
+        for micro in micro_batches(indices, cap):
+            inputs, targets = (t.to(self.device) for t in self.data.batch(micro))
+            with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                _, loss = self.model(inputs, targets, reduction="sum")
+            (loss * (scale / tokens)).backward()
+            loss_sum += loss.detach()
+        return loss_sum.item(), tokens
+
+    def train_step(self) -> StepStats:
+        config = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(config, self.step)
+        indices = self._draw()
+        self.model.zero_grad(set_to_none=True)
+        scale = self.scaler.scale if self.scaler else 1.0
+        start = time.perf_counter()
+        loss_sum, tokens = self._compute(indices, scale)
+        self.speed.stretch(self.step, time.perf_counter() - start)
+        compute = time.perf_counter() - start
+
+        start = time.perf_counter()
+        result = self.reducer.reduce(count=tokens, loss_scale=scale)
+        found_inf = bool(result.found_inf.item())
+        if not found_inf:
+            if config.grad_clip > 0:
+                coefficient = (config.grad_clip / (result.grad_norm + 1e-6)).clamp(max=1.0).reshape(())
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, coefficient)
+            self.optimizer.step()
+        if self.scaler:
+            self.scaler.update(found_inf)
+        reduce = time.perf_counter() - start
+        self._last_reduce = (found_inf, result.grad_norm.item(), scale)
+        return StepStats(compute, reduce, loss_sum, tokens)
+
+    # --- the run --------------------------------------------------------------------
+
+    def _gather(self, stats: StepStats) -> torch.Tensor:
+        """[world, 4]: every rank's compute and reduce seconds, loss sum and tokens."""
+        mine = torch.tensor([[stats.compute, stats.reduce, stats.loss_sum, stats.tokens]], dtype=torch.float64)
+        everyone = torch.zeros(self.world, 4, dtype=torch.float64)
+        everyone[self.rank] = mine[0]
+        dist.all_reduce(everyone)
+        return everyone
+
+    def _choose_next_split(self, stats: StepStats) -> None:
+        """Every rank reports its compute time; the balancing regime decides the split of
+        the next step (the same on every rank)."""
+        decision = self.rebalancer.step(stats.compute)
+        config = self.config
+        if self.fixed_split:
+            sizes = self.fixed_split
+        elif config.balance == "equal" or self.step + 1 < config.equal_steps:
+            sizes = equal_split(config.global_batch, self.world)
+        elif self.step + 1 == config.equal_steps:
+            # The end of the equal phase: the first profile's best split, adopted outright.
+            sizes = solve_split(config.global_batch, self.rebalancer.rebalancer.model(), self.caps).sizes
+            self.phases.append(Phase("balanced" if config.balance == "dynamic" else "static split"))
+        elif config.balance == "static":
+            sizes = self.split
+        else:
+            sizes = decision.sizes
+        self.rebalancer.rebalancer.adopt(sizes)
+        self.split = sizes
+        self.sampler.set_split(sizes)
+
+    def run(self, until: int | None = None) -> dict | None:
+        """Trains to the configured number of steps (or only to step `until`, for tests
+        and callers that checkpoint in between); returns the summary at the end."""
+        config = self.config
+        last = config.steps if until is None else min(until, config.steps)
+        progress = None
+        if self.rank == 0 and config.progress:
+            from tqdm import tqdm
+
+            label = "hetcomm train (simulated cluster)" if self.simulated else "hetcomm train"
+            progress = tqdm(total=config.steps, initial=self.step, desc=label, unit="step", dynamic_ncols=True)
+        run_start = time.perf_counter()
+        while self.step < last:
+            step_start = time.perf_counter()
+            split = self.split
+            stats = self.train_step()
+            everyone = self._gather(stats)
+            step_seconds = time.perf_counter() - step_start
+            self.phases[-1].step_seconds.append(step_seconds)
+            self._choose_next_split(stats)
+            if self.rank == 0:
+                self._log_step(everyone, split, step_seconds)
+                if progress:
+                    progress.set_postfix(loss=f"{everyone[:, 2].sum() / everyone[:, 3].sum():.3f}",
+                                         split="/".join(map(str, split)))
+                    progress.update()
+            self.step += 1
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < config.steps:
+                self.save_checkpoint()
+        if progress:
+            progress.close()
+        if self.step < config.steps:
+            return None
+        self.save_checkpoint()
+        summary = self._summary(time.perf_counter() - run_start)
+        if self.log:
+            self.log.summary(summary)
+            self.log.close()
+        return summary
+
+    def _log_step(self, everyone: torch.Tensor, split: tuple[int, ...], step_seconds: float) -> None:
+        found_inf, grad_norm, scale = self._last_reduce
+        compute = everyone[:, 0].tolist()
+        self.log.step({
+            "step": self.step, "simulated": self.simulated, "phase": self.phases[-1].name,
+            "loss": everyone[:, 2].sum().item() / everyone[:, 3].sum().item(),
+            "micro_batch": list(split), "compute_s": compute, "wait_s": everyone[:, 1].tolist(),
+            "samples_per_second": [b / t if t > 0 and b > 0 else 0.0 for b, t in zip(split, compute)],
+            "tokens_per_second": everyone[:, 3].sum().item() / step_seconds, "step_s": step_seconds,
+            "loss_scale": scale, "skipped": found_inf, "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        })
+
+    def _summary(self, seconds: float) -> dict:
+        model = self.rebalancer.rebalancer.model()
+        throughputs = [1.0 / c for _, c in model]  # samples per second of compute, as last estimated
+        batch = self.config.global_batch
+        ideal = batch / sum(throughputs)
+        equal = max(b / s for b, s in zip(equal_split(batch, self.world), throughputs))
+        phases = {p.name: {"steps": len(p.step_seconds), "median_step_s": p.median()} for p in self.phases}
+        return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "phases": phases,
+                "final_split": list(self.split),
+                "estimated_samples_per_second": throughputs,
+                "ideal_step_s": ideal, "equal_split_step_s_predicted": equal}
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        rng = [None] * self.world
+        dist.all_gather_object(rng, torch.get_rng_state())
+        if self.rank == 0:
+            save_atomic({"run": self.description, "step": self.step, "model": self.model.state_dict(),
+                         "optimizer": self.optimizer.state_dict(),
+                         "scaler": self.scaler.state_dict() if self.scaler else None,
+                         "sampler": self.sampler.state_dict(), "rebalancer": self.rebalancer.rebalancer.state_dict(),
+                         "split": list(self.split), "rng": rng,
+                         "phases": [[p.name, p.step_seconds] for p in self.phases]},
+                        self.checkpoint_path)
+        dist.barrier()
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.config.out) / "checkpoint.pt"
+
+    def _resume(self, path: str) -> None:
+        state = load_checked(path, self.description)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
+        self.split = tuple(state["split"])
+        self.step = int(state["step"])
+        self.phases = [Phase(name, list(seconds)) for name, seconds in state["phases"]]
+        torch.set_rng_state(state["rng"][self.rank])

@@ -1,0 +1,55 @@
+"""Precision per device generation, and the shared dynamic loss scale."""
+
+import pytest
+import torch
+
+from hetcomm.amp import DynamicLossScaler, autocast_dtype
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((6, 0), torch.float16),   # P100: fast fp16, no bf16
+    ((6, 1), None),            # GTX 1080 Ti / Titan Xp / P40: fp16 at 1/64 rate, stay fp32
+    ((7, 0), torch.float16),   # V100
+    ((7, 5), torch.float16),   # T4, RTX 2080 Ti
+    ((8, 0), torch.bfloat16),  # A100
+    ((8, 6), torch.bfloat16),  # RTX 3090
+    ((9, 0), torch.bfloat16),
+])
+def test_precision_policy_by_compute_capability(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert autocast_dtype(torch.device("cuda", 0)) == expected
+
+
+def test_cpu_trains_in_fp32():
+    assert autocast_dtype(torch.device("cpu")) is None
+
+
+def test_loss_scaler_backs_off_and_grows_like_gradscaler():
+    scaler = DynamicLossScaler(scale=1024.0, growth_interval=3)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 512.0
+    for _ in range(2):
+        scaler.update(found_inf=False)
+    assert scaler.scale == 512.0
+    scaler.update(found_inf=False)
+    assert scaler.scale == 1024.0
+    scaler.update(found_inf=False)
+    scaler.update(found_inf=True)  # an overflow restarts the count of clean steps
+    scaler.update(found_inf=False)
+    scaler.update(found_inf=False)
+    assert scaler.scale == 512.0
+
+
+def test_loss_scaler_state_round_trip_and_floor():
+    scaler = DynamicLossScaler(scale=2.0, min_scale=1.0)
+    for _ in range(5):
+        scaler.update(found_inf=True)
+    assert scaler.scale == 1.0
+    copy = DynamicLossScaler()
+    copy.load_state_dict(scaler.state_dict())
+    assert copy.scale == scaler.scale and copy.clean_steps == scaler.clean_steps
+
+
+def test_loss_scaler_rejects_nonsense():
+    with pytest.raises(ValueError, match="invalid settings"):
+        DynamicLossScaler(backoff_factor=2.0)

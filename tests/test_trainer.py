@@ -1,0 +1,129 @@
+"""The trainer on 2 Gloo ranks (CPU): an unequal split trains exactly like an equal
+one, a resumed run continues exactly, and bad settings stop before anything runs."""
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks, values
+
+from hetcomm.train import launch
+from hetcomm.train.config import TrainConfig
+from hetcomm.train.trainer import Trainer
+
+TEXT = ("def greet(name):\n    return 'hello ' + name\n\nclass Point:\n    x = 0\n    y = 0\n" * 60).encode()
+
+
+def tiny_config(tmp_path: Path, **changes) -> TrainConfig:
+    data = tmp_path / "corpus.txt"
+    if not data.exists():
+        data.write_bytes(TEXT)
+    base = TrainConfig(steps=6, global_batch=8, block_size=16, n_layer=1, n_head=2, n_embd=32, warmup_steps=2,
+                       wire="float32", equal_steps=2, data=str(data), out=str(tmp_path / "run"), progress=False)
+    return replace(base, **changes)
+
+
+def losses(out: str) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(out) / "steps.jsonl").read_text().splitlines()]
+
+
+def train(rank, world, config):
+    Trainer(config, rank, world, torch.device("cpu")).run()
+    return losses(config.out) if rank == 0 else None
+
+
+def test_unequal_split_trains_like_the_equal_split(tmp_path):
+    equal = values(run_ranks(2, train, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "equal")),
+                             tmp_path=tmp_path))[0]
+    unequal = values(run_ranks(2, train, tiny_config(tmp_path, split="1,7", out=str(tmp_path / "unequal")),
+                               tmp_path=tmp_path / "u"))[0]
+    assert len(equal) == len(unequal) == 6
+    assert equal[-1] < equal[0]  # it learns
+    # The same gradient (the mean over the same 8 windows), summed in another order.
+    torch.testing.assert_close(torch.tensor(unequal), torch.tensor(equal), rtol=1e-5, atol=0)
+
+
+def interrupted_then_resumed(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run(until=3)
+    trainer.save_checkpoint()
+    if rank == 0:
+        shutil.copy(Path(config.out) / "checkpoint.pt", Path(config.out) / "checkpoint-step3.pt")
+    dist.barrier()
+    trainer.run()
+    resumed = Trainer(replace(config, resume=str(Path(config.out) / "checkpoint-step3.pt"),
+                              out=str(Path(config.out).with_name("resumed"))), rank, world, torch.device("cpu"))
+    assert resumed.step == 3
+    resumed.run()
+    return (losses(config.out), losses(resumed.config.out)) if rank == 0 else None
+
+
+def test_resumed_run_continues_exactly(tmp_path):
+    config = tiny_config(tmp_path, split="3,5", out=str(tmp_path / "straight"))
+    original, resumed = values(run_ranks(2, interrupted_then_resumed, config, tmp_path=tmp_path))[0]
+    assert resumed == original[3:]  # bit for bit: same data, same order, same state
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--speeds", "1,fast"], "--speeds '1,fast': expected comma-separated numbers"),
+    (["--speeds", "1,1,1"], "--speeds '1,1,1': 3 factors for 2 ranks"),
+    (["--slowdown", "1:x:0.5"], "--slowdown '1:x:0.5': expected RANK:STEP:FACTOR"),
+    (["--slowdown", "5:3:0.5"], "rank 5 does not exist (2 ranks)"),
+    (["--global-batch", "1"], "--global-batch 1 is smaller than the 2 ranks"),
+    (["--memory-caps", "4,0"], "every cap must be at least 1"),
+    (["--split", "3,3"], "--split '3,3': expected 2 non-negative counts adding up to --global-batch 8"),
+    (["--wire", "bfloat16"], "--wire bfloat16 needs NCCL"),
+])
+def test_bad_settings_stop_with_one_message(tmp_path, arguments, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch.main(["--nproc", "2", "--global-batch", "8", "--out", str(tmp_path / "run"), *arguments])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, capsys):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "steps.jsonl").write_text("kept\n")
+    common = ["--nproc", "2", "--global-batch", "8", "--out", str(out), "--data", str(tmp_path / "corpus.txt")]
+    (tmp_path / "corpus.txt").write_bytes(TEXT)
+    with pytest.raises(SystemExit):
+        launch.main([*common, "--resume", str(corrupt)])
+    assert "not a readable hetcomm checkpoint" in capsys.readouterr().err
+
+    from hetcomm.train.checkpoint import save_atomic
+    save_atomic({"run": {"world_size": 4}}, tmp_path / "other.pt")
+    with pytest.raises(SystemExit):
+        launch.main([*common, "--resume", str(tmp_path / "other.pt")])
+    err = capsys.readouterr().err
+    assert "belongs to another run configuration" in err and "world_size: checkpoint has 4, this run 2" in err
+    assert (out / "steps.jsonl").read_text() == "kept\n"  # nothing overwritten
+
+
+def test_command_line_run_and_report(tmp_path):
+    """The real command: spawns 2 simulated workers, prints the comparison, then plots."""
+    (tmp_path / "corpus.txt").write_bytes(TEXT)
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "hetcomm", "train", "--nproc", "2", "--speeds", "1,0.5",
+                          "--steps", "6", "--equal-steps", "2", "--global-batch", "8", "--block-size", "16",
+                          "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--data", str(tmp_path / "corpus.txt"),
+                          "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "SIMULATED cluster of 2 CPU workers" in run.stdout and "balanced vs equal split" in run.stdout
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 6 and all(s["simulated"] for s in steps)
+    assert all(sum(s["micro_batch"]) == 8 for s in steps)
+    report = subprocess.run([sys.executable, "-m", "hetcomm", "report", str(out)], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    for name in ("loss.png", "balance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
