@@ -59,7 +59,7 @@ def ideal_seconds(steps_log: list[dict], slowdown_step: int | None) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     slowdown_step = args.steps // 2

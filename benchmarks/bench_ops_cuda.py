@@ -1,5 +1,6 @@
-"""GPU benchmarks of hetcomm's CUDA kernels against the best unfused PyTorch routes and
-the device-to-device copy bandwidth measured in the same run.
+"""GPU benchmarks of hetcomm's CUDA kernels and of its Triton kernels (route "triton",
+where triton is installed) against the best unfused PyTorch routes and the
+device-to-device copy bandwidth measured in the same run.
 
     python benchmarks/bench_ops_cuda.py --out gpu-results --label native
 
@@ -29,6 +30,17 @@ from torch.autograd import DeviceType
 import hetcomm
 
 ops = torch.ops.hetcomm
+# hetcomm's own implementations; every other route is an unfused PyTorch one.
+FUSED = ("hetcomm", "triton")
+
+
+def triton_ops():
+    """torch.ops.hetcomm_triton, or None where triton cannot be imported."""
+    try:
+        import hetcomm.triton  # noqa: F401  (registers the ops)
+    except ImportError:
+        return None
+    return torch.ops.hetcomm_triton
 SIZES = {"1M": 2**20, "16M": 16 * 2**20, "256M": 256 * 2**20}
 TENSOR_COUNTS = (100, 1000)
 # Bytes per element that each op must move: every input read once, every output written once.
@@ -67,7 +79,18 @@ class InputSet:
 
 
 def routes(op: str) -> dict:
-    """name -> function(InputSet) for hetcomm and the unfused PyTorch routes of `op`."""
+    """name -> function(InputSet) for hetcomm (CUDA C++, and Triton where installed) and
+    the unfused PyTorch routes of `op`."""
+    triton = triton_ops()
+    if triton is not None and op in ("pack", "unpack_", "unscale_"):
+        fused = {"pack": lambda s: triton.pack.out(s.grads, s.scale, out=s.wire),
+                 "unpack_": lambda s: triton.unpack_(s.wire, s.out32, s.scale, s.found_inf, s.sq_norm),
+                 "unscale_": lambda s: triton.unscale_(s.grads, s.one, s.found_inf)}[op]
+        return {"triton": fused, **cuda_and_unfused_routes(op)}
+    return cuda_and_unfused_routes(op)
+
+
+def cuda_and_unfused_routes(op: str) -> dict:
     if op == "pack":
         return {
             "hetcomm": lambda s: ops.pack.out(s.grads, s.scale, out=s.wire),
@@ -185,7 +208,7 @@ def measure(total: int, count: int, reps: int, op_names: list[str]) -> list[dict
             times = time_route(run, sets, reps)
             results[name] = {"median_ms": statistics.median(times), "p20_ms": percentile(times, 0.2),
                              "p80_ms": percentile(times, 0.8), "launches": count_launches(run, sets[0])}
-        unfused = {k: v for k, v in results.items() if k != "hetcomm"}
+        unfused = {k: v for k, v in results.items() if k not in FUSED}
         best = min(unfused, key=lambda k: unfused[k]["median_ms"])
         for name, r in results.items():
             gbps = BYTES[op] * total / r["median_ms"] / 1e6
@@ -202,7 +225,7 @@ def summary(rows: list[dict]) -> list[str]:
     """The issue's targets, checked for the hetcomm rows."""
     lines = []
     for r in rows:
-        if r["route"] != "hetcomm":
+        if r["route"] not in FUSED:
             continue
         allowed = math.ceil(r["elements"] * INPUT_BYTES[r["op"]] / 2**26) + 1
         notes = [f"{r['median_ms']:.3f} ms", f"{r['gbps']:.0f} GB/s", f"{r['pct_of_copy']:.0f}% of copy",
@@ -213,7 +236,8 @@ def summary(rows: list[dict]) -> list[str]:
                 notes.append("copy target " + ("met" if r["pct_of_copy"] >= 80 else "MISSED"))
             if r["elements"] >= 16 * 2**20:
                 notes.append("2x target " + ("met" if r["speedup_vs_best_unfused"] >= 2 else "MISSED"))
-        lines.append(f"{r['op']:9s} {r['elements'] // 2**20:4d}M x {r['tensors']:4d}: " + ", ".join(notes))
+        lines.append(f"{r['route']:7s} {r['op']:9s} {r['elements'] // 2**20:4d}M x {r['tensors']:4d}: "
+                     + ", ".join(notes))
     return lines
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from distributed import run_ranks, values
-from tiny_model import COUNTS, LOSS_SCALE, TinyNet, dataset, reference_gradient
+from tiny_model import COUNTS, LOSS_SCALE, TinyNet, error_of, local_backward, reference_gradient, relative_error
 from torch.nn.parallel import DistributedDataParallel
 
 import hetcomm
@@ -12,21 +12,8 @@ USED = ["embed.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "sid
 
 
 def ddp_backward(ddp, rank, counts, scale=1.0):
-    tokens, targets = dataset(sum(counts))
-    start = sum(counts[:rank])
-    mine = slice(start, start + counts[rank])
-    ddp.zero_grad(set_to_none=True)
-    loss = ((ddp(tokens[mine], True) - targets[mine]) ** 2).mean()
-    (loss * scale).backward()
+    local_backward(ddp, rank, counts, scale)
     return {name: ddp.module.get_parameter(name).grad.clone() for name in USED}
-
-
-def error_of(fn):
-    try:
-        fn()
-    except Exception as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def hook_scenarios(rank, world, counts):
@@ -65,10 +52,6 @@ def hook_scenarios(rank, world, counts):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return values(run_ranks(4, hook_scenarios, COUNTS, tmp_path=tmp_path_factory.mktemp("hook")))
-
-
-def relative_error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def test_hook_fp32_wire_equals_union_gradient(ranks):

@@ -9,20 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks, values
-from tiny_model import COUNTS, LOSS_SCALE, TinyNet, local_backward, reference_gradient
+from tiny_model import COUNTS, LOSS_SCALE, TinyNet, error_of, local_backward, reference_gradient, relative_error
 
 import hetcomm
 
 def grads_of(model):
     return {name: (None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()}
-
-
-def error_of(fn):
-    try:
-        fn()
-    except Exception as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def scenarios(rank, world, counts):
@@ -93,10 +85,6 @@ def scenarios(rank, world, counts):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return values(run_ranks(4, scenarios, COUNTS, tmp_path=tmp_path_factory.mktemp("reducer")))
-
-
-def relative_error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def assert_close_to_reference(grads, reference, bound):

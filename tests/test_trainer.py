@@ -72,7 +72,7 @@ def test_resumed_run_continues_exactly(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--speeds", "1,fast"], "--speeds '1,fast': expected comma-separated numbers"),
-    (["--speeds", "1,1,1"], "--speeds '1,1,1': 3 factors for 2 ranks"),
+    (["--speeds", "1,1,1"], "--speeds '1,1,1': 3 values for 2 ranks"),
     (["--slowdown", "1:x:0.5"], "--slowdown '1:x:0.5': expected RANK:STEP:FACTOR"),
     (["--slowdown", "5:3:0.5"], "rank 5 does not exist (2 ranks)"),
     (["--global-batch", "1"], "--global-batch 1 is smaller than the 2 ranks"),

@@ -57,3 +57,16 @@ def reference_gradient(counts, side_ranks=None):
         losses.append((model(tokens[mine], rank in side_ranks) - targets[mine].double()) ** 2)
     torch.cat(losses).mean().backward()
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def error_of(fn):
+    """(exception type name, message) of what fn raises, or None: ranks report errors as data."""
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()

@@ -4,6 +4,7 @@ before any process starts, so that bad input is one clear message and nothing ru
 import argparse
 from dataclasses import asdict, dataclass, field
 
+from hetcomm.train.per_rank import parse_per_rank
 from hetcomm.train.simulate import parse_slowdown, parse_speeds
 
 DEFAULT_CPU_RANKS = 4
@@ -149,12 +150,7 @@ def config_device_is_cpu(config: TrainConfig) -> bool:
 
 
 def parse_caps(text: str, world_size: int) -> list[int]:
-    try:
-        caps = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--memory-caps {text!r}: expected comma-separated whole numbers such as 16,16,8,4") from None
-    if len(caps) != world_size:
-        raise ValueError(f"--memory-caps {text!r}: {len(caps)} caps for {world_size} ranks; give one per rank")
+    caps = parse_per_rank("--memory-caps", text, world_size, int, "16,16,8,4")
     if any(c < 1 for c in caps):
         raise ValueError(f"--memory-caps {text!r}: a rank that cannot hold one window of --block-size tokens "
                          f"cannot train; every cap must be at least 1 (larger batches become accumulation)")
@@ -162,11 +158,8 @@ def parse_caps(text: str, world_size: int) -> list[int]:
 
 
 def parse_split(text: str, world_size: int, global_batch: int) -> tuple[int, ...]:
-    try:
-        split = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--split {text!r}: expected comma-separated whole numbers such as 12,12,6,2") from None
-    if len(split) != world_size or any(b < 0 for b in split) or sum(split) != global_batch:
+    split = tuple(parse_per_rank("--split", text, world_size, int, "12,12,6,2"))
+    if any(b < 0 for b in split) or sum(split) != global_batch:
         raise ValueError(f"--split {text!r}: expected {world_size} non-negative counts adding up to --global-batch "
                          f"{global_batch}")
     return split

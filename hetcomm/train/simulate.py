@@ -5,6 +5,8 @@ start throttling at some step (--slowdown RANK:STEP:FACTOR)."""
 import time
 from dataclasses import dataclass
 
+from hetcomm.train.per_rank import parse_per_rank
+
 
 @dataclass(frozen=True)
 class Slowdown:
@@ -15,12 +17,7 @@ class Slowdown:
 
 def parse_speeds(text: str, world_size: int) -> list[float]:
     """"1,1,0.5,0.25" -> one positive speed factor per rank."""
-    try:
-        speeds = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--speeds {text!r}: expected comma-separated numbers such as 1,1,0.5,0.25") from None
-    if len(speeds) != world_size:
-        raise ValueError(f"--speeds {text!r}: {len(speeds)} factors for {world_size} ranks; give one per rank")
+    speeds = parse_per_rank("--speeds", text, world_size, float, "1,1,0.5,0.25")
     if not all(0 < s <= 1000 for s in speeds):
         raise ValueError(f"--speeds {text!r}: every factor must be positive (1 = the machine's real speed)")
     return speeds

@@ -115,8 +115,11 @@ class Trainer:
         self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
         start_split = self.fixed_split or equal_split(config.global_batch, world)
         self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
+        # Short patience and cool-down: a training run should follow a throttling card within a few
+        # steps; the rebalancer's noise margin is what keeps it from chasing noise.
         self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
-                                                           threshold=config.rebalance_threshold))
+                                                           threshold=config.rebalance_threshold, patience=2,
+                                                           cooldown=3))
         self.split = start_split
         self.step = 0
         self.description = run_description(config, world, data_description, len(self.data))
