@@ -71,6 +71,15 @@ def scenarios(rank, world, counts):
     out["reduce_with_overlap"] = error_of(lambda: overlapped.reduce(weight=n / total))
     overlapped.remove_hooks()
 
+    # With overlap the unused parameters are agreed on in finish(): `never` stays None.
+    holding = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float32, overlap=True)
+    model.zero_grad(set_to_none=True)
+    holding.begin(weight=n / total)
+    local_backward(model, rank, counts, use_side=(rank == 0))
+    holding.finish()
+    holding.remove_hooks()
+    out["overlap_partly_used"] = grads_of(model)
+
     local_backward(model, rank, counts)
     out["bad_sum"] = error_of(lambda: reducer.reduce(weight=0.3))
     out["negative"] = error_of(lambda: reducer.reduce(weight=-1.0 if rank == 1 else n / total))
@@ -184,6 +193,14 @@ def test_overlap_with_gradient_accumulation(ranks):
         for name, g in r["fp32"][0].items():
             if g is not None:
                 torch.testing.assert_close(r["overlap_accumulated"][name], g, rtol=1e-6, atol=1e-9)
+
+
+def test_overlap_keeps_parameters_without_gradients_anywhere_none(ranks):
+    reference = reference_gradient(COUNTS, side_ranks=[0])
+    for r in ranks:
+        grads = r["overlap_partly_used"]
+        assert grads["never.weight"] is None and grads["never.bias"] is None
+        assert relative_error(grads["side.weight"], reference["side.weight"]) <= 1e-6
 
 
 def test_overlap_requires_begin_and_finish(ranks):

@@ -121,7 +121,9 @@ class WeightedReducer:
         if self.overlap:
             raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
                                f"after it")
-        self.begin(weight, count=count, loss_scale=loss_scale)
+        # After backward, so the gradients present are known now: which parameters no rank
+        # has a gradient for rides in the weight agreement instead of a collective of its own.
+        self._begin(weight, count, loss_scale, used_here=[p.grad is not None for p in self.params])
         return self.finish()
 
     def begin(self, weight: float | None = None, *, count: float | None = None,
@@ -139,6 +141,9 @@ class WeightedReducer:
 
         Raises the same ValueError on every rank if any rank's weight or count is bad.
         """
+        self._begin(weight, count, loss_scale, used_here=None)
+
+    def _begin(self, weight, count, loss_scale, used_here: list[bool] | None) -> None:
         if (weight is None) == (count is None):
             raise ValueError(f"{self.who}: pass exactly one of weight= and count=")
         if self._step is not None:
@@ -147,7 +152,7 @@ class WeightedReducer:
             check_same_layout(self.params, self.group, self.timeout, self.who)
             self._layout_checked = True
         share = agree_share(float(weight if count is None else count), count is not None, self.group,
-                            self.timeout, self.who)
+                            self.timeout, self.who, used_here)
         device = self.params[0].device
         inv_loss_scale = scalar_on(1.0 if loss_scale is None else loss_scale, device).reciprocal()
         self._step = _Step(share=share, scale=scalar_on(share.weight, device), inv_loss_scale=inv_loss_scale,
@@ -165,19 +170,24 @@ class WeightedReducer:
         step = self._step
         if step is None:
             raise RuntimeError(f"{self.who}: finish() without begin()")
-        used_here = [p.grad is not None for p in self.params]
+        users = step.share.users
+        if users is None:
+            # With overlap, begin() came before backward: agree now on which parameters no rank
+            # has a gradient for, queued behind the gradients so that unpacking hides it.
+            flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
+                                 device=control_device(self.group))
         while self._next_launch < len(self.buckets):
             self._launch_next(step)
-        # Behind the gradients in the queue, so its latency hides under the unpacking.
-        used = torch.tensor(used_here, dtype=torch.int32, device=control_device(self.group))
-        used_work = launch_all_reduce(used, self.group)
+        flags_work = launch_all_reduce(flags, self.group) if users is None else None
         for index, (bucket, work) in enumerate(zip(self.buckets, step.works)):
             wait(work, self.timeout, f"{self.who}: the all-reduce of bucket {index}")
             ops.unpack_(bucket.wire, [p.grad for p in bucket.params], step.inv_loss_scale, step.found_inf,
                         step.sq_norm)
-        wait(used_work, self.timeout, f"{self.who}: the agreement on unused parameters")
-        for p, users in zip(self.params, used.tolist()):
-            if users == 0:
+        if flags_work is not None:
+            wait(flags_work, self.timeout, f"{self.who}: the agreement on unused parameters")
+            users = flags.tolist()
+        for p, count in zip(self.params, users):
+            if count == 0:
                 p.grad = None
         self._step = None
         return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt(), weight=step.share.weight,

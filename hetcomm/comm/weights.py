@@ -24,6 +24,7 @@ class Share:
     weight: float
     total: float       # N when counts were given, else the sum of the weights (≈ 1)
     by_count: bool
+    users: list[int] | None = None  # per parameter, how many ranks had a gradient for it (when asked)
 
 
 def local_problem(value: float, by_count: bool) -> str | None:
@@ -35,20 +36,25 @@ def local_problem(value: float, by_count: bool) -> str | None:
     return None
 
 
-def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, who: str) -> Share:
-    """One SUM all-reduce of [value, by_count, a problem flag per rank]; raises ValueError
-    on every rank if any rank's value is bad, the ranks mix counts and weights, counts add
-    up to zero, or weights do not add up to 1."""
+def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, who: str,
+                used_here: list[bool] | None = None) -> Share:
+    """One SUM all-reduce of [value, by_count, a problem flag per rank, and optionally a
+    has-a-gradient flag per parameter]; raises ValueError on every rank if any rank's value
+    is bad, the ranks mix counts and weights, counts add up to zero, or weights do not add
+    up to 1."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     problem = local_problem(value, by_count)
-    header = torch.zeros(2 + world, dtype=torch.float64)
+    used_here = [] if used_here is None else used_here
+    header = torch.zeros(2 + world + len(used_here), dtype=torch.float64)
     header[0] = value if problem is None else 0.0
     header[1] = float(by_count)
     header[2 + rank] = float(problem is not None)
+    header[2 + world:] = torch.tensor(used_here, dtype=torch.float64)
     header = header.to(control_device(group))
     wait(launch_all_reduce(header, group), timeout, f"{who}: the agreement on weights")
     header = header.cpu()
     total, counting = header[0].item(), round(header[1].item())
+    users = [round(u) for u in header[2 + world:].tolist()] if used_here else None
     bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
     if bad_ranks:
         detail = f" (here: {problem})" if problem else ""
@@ -61,8 +67,8 @@ def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, 
         if total <= 0:
             raise ValueError(f"{who}: the counts add up to {total:g} across {world} ranks; at least one rank "
                              f"must have processed samples")
-        return Share(weight=value / total, total=total, by_count=True)
+        return Share(weight=value / total, total=total, by_count=True, users=users)
     if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE * max(1, world):
         raise ValueError(f"{who}: the weights add up to {total:.9g} across {world} ranks; expected 1 "
                          f"(pass count= instead to let hetcomm normalise)")
-    return Share(weight=value, total=total, by_count=False)
+    return Share(weight=value, total=total, by_count=False, users=users)
