@@ -28,7 +28,8 @@ import torch
 
 SPEEDS = "1,1,0.5,0.25"
 # Steps of about a second on 2 cores, so that the per-step collectives are a few percent of a step.
-MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch", "96"]
+MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch", "96",
+         "--equal-steps", "3"]
 STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "hetcomm rebalancing": "dynamic"}
 
 

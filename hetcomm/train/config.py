@@ -17,12 +17,12 @@ BALANCE = ("dynamic", "static", "equal")
 class TrainConfig:
     # the job
     steps: int = 150
-    global_batch: int = 32        # training windows per optimizer step, over all ranks
-    block_size: int = 64
+    global_batch: int = 48        # training windows per optimizer step, over all ranks
+    block_size: int = 128
     # the model (GPT)
     n_layer: int = 2
     n_head: int = 4
-    n_embd: int = 128
+    n_embd: int = 192
     dropout: float = 0.0
     # optimisation: AdamW, linear warm-up then cosine decay to min_lr
     lr: float = 2e-3
@@ -34,7 +34,7 @@ class TrainConfig:
     loss_scale: float = 2.0**12   # initial dynamic loss scale (fp16 wire or fp16 compute)
     # balancing
     balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
-    equal_steps: int = 3          # the first steps run the equal split: baseline and first profile
+    equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
     rebalance_threshold: float = 0.05
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None

@@ -63,7 +63,7 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
         print(f"  {name:<14} {phase['steps']:>4} steps, median {phase['median_step_s']:.3f} s per step")
     baseline = phases.get("equal split", {}).get("median_step_s")
     for name in ("balanced", "static split"):
-        if name in phases and baseline:
+        if name in phases and phases[name]["steps"] and phases.get("equal split", {}).get("steps"):
             print(f"  {name} vs equal split: {baseline / phases[name]['median_step_s']:.2f}x faster per step "
                   f"(same global batch, same gradient)")
     print(f"  ideal bound from the measured speeds: {summary['ideal_step_s']:.3f} s of compute per step; "

@@ -223,7 +223,9 @@ class Trainer:
             from tqdm import tqdm
 
             label = "hetcomm train (simulated cluster)" if self.simulated else "hetcomm train"
-            progress = tqdm(total=config.steps, initial=self.step, desc=label, unit="step", dynamic_ncols=True)
+            # disable=None: a bar on a terminal, nothing in a log file.
+            progress = tqdm(total=config.steps, initial=self.step, desc=label, unit="step", dynamic_ncols=True,
+                            disable=None)
         run_start = time.perf_counter()
         while self.step < last:
             step_start = time.perf_counter()
@@ -231,7 +233,8 @@ class Trainer:
             stats = self.train_step()
             everyone = self._gather(stats)
             step_seconds = time.perf_counter() - step_start
-            self.phases[-1].step_seconds.append(step_seconds)
+            if self.step > 0:  # the first step pays for warm-up (allocator, thread pools), not for the split
+                self.phases[-1].step_seconds.append(step_seconds)
             self._choose_next_split(stats)
             if self.rank == 0:
                 self._log_step(everyone, split, step_seconds)
