@@ -12,7 +12,7 @@ from torch import Tensor
 from hetcomm import ops
 from hetcomm.comm.buckets import Bucket, make_buckets
 from hetcomm.comm.collectives import check_same_layout, control_device, launch_all_reduce, wait
-from hetcomm.comm.weights import Share, agree_share
+from hetcomm.comm.weights import Agreement, Share, agree_share
 
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,12 +48,12 @@ def scalar_on(value: float | Tensor, device: torch.device) -> Tensor:
 class _Step:
     """One reduction in progress, from begin() to finish()."""
 
-    share: Share
     scale: Tensor            # this rank's weight, fused into pack
     inv_loss_scale: Tensor   # fused into unpack_
     found_inf: Tensor
     sq_norm: Tensor
     ready: list[set[int]]    # per bucket: the parameters whose gradient is final
+    share: Share | None = None  # the agreed weights; before finish() at the latest
     works: list = field(default_factory=list)  # the launched all-reduces, in bucket order
 
 
@@ -80,7 +80,7 @@ class WeightedReducer:
         process_group: the group to reduce over (default: the world).
         wire_dtype: float32, float16 or bfloat16 (not on Gloo). A 16-bit wire halves the bytes;
             use a loss scale with float16 so small gradients do not underflow.
-        bucket_cap_mb: gradient megabytes per all-reduce (the first bucket takes 1 MB).
+        bucket_cap_mb: gradient megabytes per all-reduce (the first closes once it holds 1 MB).
         overlap: launch buckets from gradient hooks during backward.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
@@ -117,13 +117,42 @@ class WeightedReducer:
 
     def reduce(self, weight: float | None = None, *, count: float | None = None,
                loss_scale: float | Tensor | None = None) -> ReduceResult:
-        """begin() and finish() in one call, after backward (not with overlap=True)."""
+        """begin() and finish() in one call, after backward (not with overlap=True).
+
+        With weight= the buckets are sent at once and the ranks' agreement on the weights
+        travels ahead of them, read before anything is unpacked, so its round trip is not
+        on the critical path; a bad verdict still raises on every rank with every gradient
+        as it was. With count= the agreement must come first: it yields N.
+        """
         if self.overlap:
             raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
                                f"after it")
-        # After backward, so the gradients present are known now: which parameters no rank
-        # has a gradient for rides in the weight agreement instead of a collective of its own.
-        self._begin(weight, count, loss_scale, used_here=[p.grad is not None for p in self.params])
+        self._check_start(weight, count)
+        # After backward the gradients present are known, so which parameters no rank has a
+        # gradient for rides in the agreement instead of a collective of its own.
+        agreement = Agreement(float(weight if count is None else count), count is not None, self.group, self.who,
+                              [p.grad is not None for p in self.params])
+        if count is None:
+            missing = [p for p in self.params if p.grad is None]
+            self._step = self._new_step(float(weight), loss_scale)
+            while self._next_launch < len(self.buckets):
+                self._launch_next(self._step)
+            try:
+                self._step.share = agreement.result(self.timeout)
+            except ValueError:
+                self._abandon(missing)
+                raise
+            return self.finish()
+        try:
+            share = agreement.result(self.timeout)
+        except ValueError:
+            if agreement.mixed:
+                # The ranks that passed weight= have sent their buckets already: send as many
+                # so that every rank has issued the same collectives and the group stays usable.
+                self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
+            raise
+        self._step = self._new_step(share.weight, loss_scale)
+        self._step.share = share
         return self.finish()
 
     def begin(self, weight: float | None = None, *, count: float | None = None,
@@ -141,9 +170,13 @@ class WeightedReducer:
 
         Raises the same ValueError on every rank if any rank's weight or count is bad.
         """
-        self._begin(weight, count, loss_scale, used_here=None)
+        self._check_start(weight, count)
+        share = agree_share(float(weight if count is None else count), count is not None, self.group,
+                            self.timeout, self.who)
+        self._step = self._new_step(share.weight, loss_scale)
+        self._step.share = share
 
-    def _begin(self, weight, count, loss_scale, used_here: list[bool] | None) -> None:
+    def _check_start(self, weight, count) -> None:
         if (weight is None) == (count is None):
             raise ValueError(f"{self.who}: pass exactly one of weight= and count=")
         if self._step is not None:
@@ -151,14 +184,30 @@ class WeightedReducer:
         if not self._layout_checked:
             check_same_layout(self.params, self.group, self.timeout, self.who)
             self._layout_checked = True
-        share = agree_share(float(weight if count is None else count), count is not None, self.group,
-                            self.timeout, self.who, used_here)
+
+    def _new_step(self, weight: float, loss_scale: float | Tensor | None) -> _Step:
         device = self.params[0].device
-        inv_loss_scale = scalar_on(1.0 if loss_scale is None else loss_scale, device).reciprocal()
-        self._step = _Step(share=share, scale=scalar_on(share.weight, device), inv_loss_scale=inv_loss_scale,
-                           found_inf=torch.zeros(1, device=device), sq_norm=torch.zeros(1, device=device),
-                           ready=[set() for _ in self.buckets])
         self._next_launch = 0
+        return _Step(scale=scalar_on(weight, device),
+                     inv_loss_scale=scalar_on(1.0 if loss_scale is None else loss_scale, device).reciprocal(),
+                     found_inf=torch.zeros(1, device=device), sq_norm=torch.zeros(1, device=device),
+                     ready=[set() for _ in self.buckets])
+
+    def _abandon(self, missing: list[torch.nn.Parameter], works: list | None = None) -> None:
+        """After a refused agreement: waits for the all-reduces already sent (the group
+        must stay in step), gives back None to the gradients that were None, and forgets
+        the step. The gradients themselves were only read."""
+        pending = self._step.works if works is None else works
+        for index, work in enumerate(pending):
+            wait(work, self.timeout, f"{self.who}: the all-reduce of bucket {index}")
+        for p in missing:
+            p.grad = None
+        self._step = None
+
+    def _wire(self, bucket: Bucket) -> Tensor:
+        if bucket.wire is None:
+            bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.params[0].device)
+        return bucket.wire
 
     def finish(self) -> ReduceResult:
         """Launches the buckets not launched yet, waits for all, unpacks them into the
@@ -224,8 +273,6 @@ class WeightedReducer:
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             grads.append(p.grad)
-        if bucket.wire is None:
-            bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.params[0].device)
-        ops.pack(grads, step.scale, out=bucket.wire)
+        ops.pack(grads, step.scale, out=self._wire(bucket))
         step.works.append(launch_all_reduce(bucket.wire, self.group))
         self._next_launch += 1

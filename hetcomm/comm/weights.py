@@ -36,39 +36,58 @@ def local_problem(value: float, by_count: bool) -> str | None:
     return None
 
 
+class Agreement:
+    """One launched SUM all-reduce of [value, by_count, a problem flag per rank, and
+    optionally a has-a-gradient flag per parameter]. result() waits for it and judges:
+    every rank reaches the same verdict from the same sums."""
+
+    def __init__(self, value: float, by_count: bool, group, who: str, used_here: list[bool] | None = None):
+        self.value, self.by_count, self.group, self.who = value, by_count, group, who
+        self.world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.problem = local_problem(value, by_count)
+        self.used_here = [] if used_here is None else used_here
+        header = torch.zeros(2 + self.world + len(self.used_here), dtype=torch.float64)
+        header[0] = value if self.problem is None else 0.0
+        header[1] = float(by_count)
+        header[2 + rank] = float(self.problem is not None)
+        header[2 + self.world:] = torch.tensor(self.used_here, dtype=torch.float64)
+        self.header = header.to(control_device(group))
+        self.work = launch_all_reduce(self.header, group)
+        self.counting_ranks: int | None = None  # known once result() has waited
+
+    def result(self, timeout: timedelta | None) -> Share:
+        """Raises ValueError on every rank if any rank's value is bad, the ranks mix counts
+        and weights, counts add up to zero, or weights do not add up to 1."""
+        who, world = self.who, self.world
+        wait(self.work, timeout, f"{who}: the agreement on weights")
+        header = self.header.cpu()
+        total, self.counting_ranks = header[0].item(), round(header[1].item())
+        users = [round(u) for u in header[2 + world:].tolist()] if self.used_here else None
+        bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
+        if bad_ranks:
+            detail = f" (here: {self.problem})" if self.problem else ""
+            raise ValueError(f"{who}: ranks {bad_ranks} passed an invalid weight or count{detail}; "
+                             f"weights and counts must be finite and non-negative")
+        if self.mixed:
+            raise ValueError(f"{who}: {self.counting_ranks} of {world} ranks passed count= and the others weight=; "
+                             f"all ranks must use the same one")
+        if self.by_count:
+            if total <= 0:
+                raise ValueError(f"{who}: the counts add up to {total:g} across {world} ranks; at least one rank "
+                                 f"must have processed samples")
+            return Share(weight=self.value / total, total=total, by_count=True, users=users)
+        if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE * max(1, world):
+            raise ValueError(f"{who}: the weights add up to {total:.9g} across {world} ranks; expected 1 "
+                             f"(pass count= instead to let hetcomm normalise)")
+        return Share(weight=self.value, total=total, by_count=False, users=users)
+
+    @property
+    def mixed(self) -> bool:
+        """Some ranks passed count= and others weight= (known after result() waited)."""
+        return self.counting_ranks not in (None, 0, self.world)
+
+
 def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, who: str,
                 used_here: list[bool] | None = None) -> Share:
-    """One SUM all-reduce of [value, by_count, a problem flag per rank, and optionally a
-    has-a-gradient flag per parameter]; raises ValueError on every rank if any rank's value
-    is bad, the ranks mix counts and weights, counts add up to zero, or weights do not add
-    up to 1."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    problem = local_problem(value, by_count)
-    used_here = [] if used_here is None else used_here
-    header = torch.zeros(2 + world + len(used_here), dtype=torch.float64)
-    header[0] = value if problem is None else 0.0
-    header[1] = float(by_count)
-    header[2 + rank] = float(problem is not None)
-    header[2 + world:] = torch.tensor(used_here, dtype=torch.float64)
-    header = header.to(control_device(group))
-    wait(launch_all_reduce(header, group), timeout, f"{who}: the agreement on weights")
-    header = header.cpu()
-    total, counting = header[0].item(), round(header[1].item())
-    users = [round(u) for u in header[2 + world:].tolist()] if used_here else None
-    bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
-    if bad_ranks:
-        detail = f" (here: {problem})" if problem else ""
-        raise ValueError(f"{who}: ranks {bad_ranks} passed an invalid weight or count{detail}; "
-                         f"weights and counts must be finite and non-negative")
-    if counting not in (0, world):
-        raise ValueError(f"{who}: {counting} of {world} ranks passed count= and the others weight=; "
-                         f"all ranks must use the same one")
-    if by_count:
-        if total <= 0:
-            raise ValueError(f"{who}: the counts add up to {total:g} across {world} ranks; at least one rank "
-                             f"must have processed samples")
-        return Share(weight=value / total, total=total, by_count=True, users=users)
-    if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE * max(1, world):
-        raise ValueError(f"{who}: the weights add up to {total:.9g} across {world} ranks; expected 1 "
-                         f"(pass count= instead to let hetcomm normalise)")
-    return Share(weight=value, total=total, by_count=False, users=users)
+    """Agreement(...).result(timeout) in one call."""
+    return Agreement(value, by_count, group, who, used_here).result(timeout)
