@@ -1,10 +1,8 @@
 // CPU kernels of the hetcomm ops: validate and plan (ops/plans), then run the
 // segment list (cpu/multi_tensor_cpu).
 #include "cpu/multi_tensor_cpu.h"
-#include "ops/checks.h"
 #include "ops/plans.h"
 
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace hetcomm::cpu {
@@ -19,9 +17,7 @@ void pack_out_cpu(at::TensorList src, const at::Tensor& scale, at::Tensor& out) 
 }
 
 at::Tensor pack_cpu(at::TensorList src, const at::Tensor& scale, c10::ScalarType dtype) {
-  const int64_t total = check_pack_sources(src, scale);
-  check_supported_dtype("pack", "dtype", dtype);
-  at::Tensor out = at::empty({total}, src[0].options().dtype(dtype));
+  at::Tensor out = empty_pack_output(src, scale, dtype);
   pack_out_cpu(src, scale, out);
   return out;
 }

@@ -2,7 +2,6 @@
 // segment list on the current stream (cuda/multi_tensor_cuda). Scales, found_inf and
 // sq_norm are read and written by the kernels on the device: no host synchronisation.
 #include "cuda/multi_tensor_cuda.h"
-#include "ops/checks.h"
 #include "ops/plans.h"
 
 #include <ATen/ops/empty.h>
@@ -27,9 +26,7 @@ void pack_out_cuda(at::TensorList src, const at::Tensor& scale, at::Tensor& out)
 }
 
 at::Tensor pack_cuda(at::TensorList src, const at::Tensor& scale, c10::ScalarType dtype) {
-  const int64_t total = check_pack_sources(src, scale);
-  check_supported_dtype("pack", "dtype", dtype);
-  at::Tensor out = at::empty({total}, src[0].options().dtype(dtype));
+  at::Tensor out = empty_pack_output(src, scale, dtype);
   pack_out_cuda(src, scale, out);
   return out;
 }

@@ -2,6 +2,7 @@
 
 #include "ops/checks.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 namespace hetcomm {
@@ -31,6 +32,12 @@ int64_t check_pack_sources(at::TensorList src, const at::Tensor& scale) {
   check_float_list("pack", "src", src, device);
   check_scalar_tensor("pack", "scale", scale, device);
   return total_numel(src);
+}
+
+at::Tensor empty_pack_output(at::TensorList src, const at::Tensor& scale, c10::ScalarType dtype) {
+  const int64_t total = check_pack_sources(src, scale);
+  check_supported_dtype("pack", "dtype", dtype);
+  return at::empty({total}, src[0].options().dtype(dtype));
 }
 
 SegmentList plan_pack(at::TensorList src, const at::Tensor& scale, const at::Tensor& out) {

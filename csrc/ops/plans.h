@@ -14,6 +14,9 @@ namespace hetcomm {
 // Validates pack's sources and scale; returns the total element count.
 int64_t check_pack_sources(at::TensorList src, const at::Tensor& scale);
 
+// Validates pack's sources, scale and wire dtype; returns the uninitialised 1-D output.
+at::Tensor empty_pack_output(at::TensorList src, const at::Tensor& scale, c10::ScalarType dtype);
+
 // out = concat(src[k].flatten() * scale) cast to out's dtype.
 SegmentList plan_pack(at::TensorList src, const at::Tensor& scale, const at::Tensor& out);
 
