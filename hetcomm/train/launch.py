@@ -34,12 +34,20 @@ def _run_rank(rank: int, world: int, config: TrainConfig, use_cuda: bool, init_m
         device = torch.device("cpu")
         # The workers share the machine's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if init_method else {}
+    spawned = init_method is not None
+    kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if spawned else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10), **kwargs)
-    try:
-        Trainer(config, dist.get_rank(), dist.get_world_size(), device).run()
-    finally:
-        dist.destroy_process_group()
+    Trainer(config, dist.get_rank(), dist.get_world_size(), device).run()
+    dist.barrier()
+    if spawned:
+        # A worker we started has nothing left to do once every rank is past the barrier.
+        # Tearing the Gloo group down as the peers exit can abort in torch's C++ destructors
+        # (seen with torch 2.13: "terminate called without an active exception"), so the
+        # worker leaves without running them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def _check_resume(config: TrainConfig, world: int) -> None:
