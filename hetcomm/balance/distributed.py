@@ -26,19 +26,25 @@ class DistributedRebalancer:
         self.device = control_device(group)
         self.source = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def step(self, compute_time: float) -> RebalanceDecision:
+    def step(self, compute_time: float, all_times: list[float] | None = None) -> RebalanceDecision:
         """Takes this rank's compute time for the step just done; returns the split for
         the next one (the same on every rank).
 
         One SUM all-reduce gathers the times (each rank fills its own slot), so every
         rank validates the same numbers and a bad one raises the same error everywhere,
-        not a hang; then one broadcast of rank 0's split as int64. The predicted and
-        required gains are known on rank 0 only (NaN elsewhere)."""
+        not a hang; then one broadcast of rank 0's split as int64. A caller that has
+        already gathered every rank's time (identical on all ranks) passes it as
+        all_times and saves the all-reduce. The predicted and required gains are known
+        on rank 0 only (NaN elsewhere)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        times = torch.zeros(world, dtype=torch.float64, device=self.device)
-        times[rank] = compute_time
-        dist.all_reduce(times, group=self.group)
-        self.rebalancer.update(times.tolist())
+        if all_times is None:
+            times = torch.zeros(world, dtype=torch.float64, device=self.device)
+            times[rank] = compute_time
+            dist.all_reduce(times, group=self.group)
+            all_times = times.tolist()
+        elif len(all_times) != world:
+            raise ValueError(f"all_times has {len(all_times)} entries for {world} ranks")
+        self.rebalancer.update(all_times)
         decision = self.rebalancer.decide() if rank == 0 else None
         split = torch.tensor(decision.sizes if decision else self.rebalancer.sizes, dtype=torch.int64,
                              device=self.device)

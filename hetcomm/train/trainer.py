@@ -192,10 +192,10 @@ class Trainer:
         dist.all_reduce(everyone)
         return everyone
 
-    def _choose_next_split(self, stats: StepStats) -> None:
-        """Every rank reports its compute time; the balancing regime decides the split of
-        the next step (the same on every rank)."""
-        decision = self.rebalancer.step(stats.compute)
+    def _choose_next_split(self, stats: StepStats, compute_times: list[float]) -> None:
+        """The balancing regime decides the split of the next step from every rank's
+        compute time (gathered once per step by _gather; the same on every rank)."""
+        decision = self.rebalancer.step(stats.compute, compute_times)
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -235,7 +235,7 @@ class Trainer:
             step_seconds = time.perf_counter() - step_start
             if self.step > 0:  # the first step pays for warm-up (allocator, thread pools), not for the split
                 self.phases[-1].step_seconds.append(step_seconds)
-            self._choose_next_split(stats)
+            self._choose_next_split(stats, everyone[:, 0].tolist())
             if self.rank == 0:
                 self._log_step(everyone, split, step_seconds)
                 if progress:
