@@ -14,17 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def precision_for_capability(capability: tuple[int, int] | None) -> str:
+    """The compute precision policy for a CUDA compute capability (None: a CPU):
+    "fp32", "fp16" (with a loss scale) or "bf16". The trainer and the planner both
+    decide by this one rule."""
+    if capability is None or tuple(capability) == (6, 1):
+        return "fp32"
+    if tuple(capability) >= (8, 0):
+        return "bf16"
+    return "fp16"
+
+
+AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The autocast dtype for this device, or None for plain fp32."""
-    if device.type != "cuda":
-        return None
-    capability = torch.cuda.get_device_capability(device)
-    if capability == (6, 1):
-        return None
-    if capability >= (8, 0):
-        return torch.bfloat16
-    return torch.float16
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return AUTOCAST_DTYPES[precision_for_capability(capability)]
 
 
 @dataclass

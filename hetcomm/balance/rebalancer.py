@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from hetcomm.balance.solver import predict_rank_times, solve_split
 
 SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
+# What training uses (the trainer, and the planner's simulation of it): a run should
+# follow a throttling card within a few steps; the noise margin keeps it from chasing noise.
+TRAINING_SETTINGS = {"patience": 2, "cooldown": 3}
 
 
 @dataclass(frozen=True)
