@@ -123,6 +123,17 @@ def test_command_line_run_and_report(tmp_path):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert len(steps) == 6 and all(s["simulated"] for s in steps)
     assert all(sum(s["micro_batch"]) == 8 for s in steps)
+    assert all(len(s["update_s"]) == 2 for s in steps)
+    header = json.loads((out / "run.json").read_text())
+    assert [r["device"] for r in header["ranks"]] == ["cpu", "cpu"] and header["vocab_size"] == 256
+    assert [r["speed"] for r in header["ranks"]] == [1.0, 0.5]
+    # The planner reads the run as a profile and plans its cluster from the measurements.
+    plan = subprocess.run([sys.executable, "-m", "hetcomm", "plan", "--profile", str(out), "--json"],
+                          capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert [d["samples"] for d in planned["devices"]] and sum(d["samples"] for d in planned["devices"]) == 8
+    assert all(d["source"] == "measured" for d in planned["devices"])
     report = subprocess.run([sys.executable, "-m", "hetcomm", "report", str(out)], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     for name in ("loss.png", "balance.png"):

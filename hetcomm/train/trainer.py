@@ -13,6 +13,7 @@ Per optimizer step, on every rank:
 """
 
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from hetcomm.amp import DynamicLossScaler, autocast_dtype
 from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, solve_split
+from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.train.checkpoint import load_checked, save_atomic
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
@@ -75,7 +77,8 @@ class StepStats:
     """One rank's measurements of one step."""
 
     compute: float      # forward/backward (and the simulated wait), seconds
-    reduce: float       # the gradient reduction, including waiting for slower ranks
+    reduce: float       # the gradient reduction and the update, including waiting for slower ranks
+    update: float       # of which the update: clipping, the optimizer step, the loss scale
     loss_sum: float     # summed cross-entropy over this rank's target tokens
     tokens: int
 
@@ -115,19 +118,31 @@ class Trainer:
         self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
         start_split = self.fixed_split or equal_split(config.global_batch, world)
         self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
-        # Short patience and cool-down: a training run should follow a throttling card within a few
-        # steps; the rebalancer's noise margin is what keeps it from chasing noise.
         self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
-                                                           threshold=config.rebalance_threshold, patience=2,
-                                                           cooldown=3))
+                                                           threshold=config.rebalance_threshold,
+                                                           **TRAINING_SETTINGS))
         self.split = start_split
         self.step = 0
         self.description = run_description(config, world, data_description, len(self.data))
         self.phases = [Phase("fixed split" if self.fixed_split else "equal split")]
         if config.resume:
             self._resume(config.resume)
+        ranks = self._describe_ranks()
         self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
+                                       "vocab_size": self.data.vocab_size, "ranks": ranks,
                                        "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
+
+    def _describe_ranks(self) -> list[dict]:
+        """Every rank's device and host, for the log: what the planner calibrates against."""
+        if self.device.type == "cuda":
+            mine = {"device": torch.cuda.get_device_name(self.device),
+                    "capability": list(torch.cuda.get_device_capability(self.device))}
+        else:
+            mine = {"device": "cpu", "capability": None}
+        mine.update(host=socket.gethostname(), speed=self.speed.speed)
+        ranks = [None] * self.world
+        dist.all_gather_object(ranks, mine)
+        return ranks
 
     # --- one step -------------------------------------------------------------------
 
@@ -170,6 +185,7 @@ class Trainer:
         start = time.perf_counter()
         result = self.reducer.reduce(count=tokens, loss_scale=scale)
         found_inf = bool(result.found_inf.item())
+        update_start = time.perf_counter()
         if not found_inf:
             if config.grad_clip > 0:
                 coefficient = (config.grad_clip / (result.grad_norm + 1e-6)).clamp(max=1.0).reshape(())
@@ -180,14 +196,15 @@ class Trainer:
             self.scaler.update(found_inf)
         reduce = time.perf_counter() - start
         self._last_reduce = (found_inf, result.grad_norm.item(), scale)
-        return StepStats(compute, reduce, loss_sum, tokens)
+        return StepStats(compute, reduce, time.perf_counter() - update_start, loss_sum, tokens)
 
     # --- the run --------------------------------------------------------------------
 
     def _gather(self, stats: StepStats) -> torch.Tensor:
-        """[world, 4]: every rank's compute and reduce seconds, loss sum and tokens."""
-        mine = torch.tensor([[stats.compute, stats.reduce, stats.loss_sum, stats.tokens]], dtype=torch.float64)
-        everyone = torch.zeros(self.world, 4, dtype=torch.float64)
+        """[world, 5]: every rank's compute, reduce and update seconds, loss sum and tokens."""
+        mine = torch.tensor([[stats.compute, stats.reduce, stats.update, stats.loss_sum, stats.tokens]],
+                            dtype=torch.float64)
+        everyone = torch.zeros(self.world, 5, dtype=torch.float64)
         everyone[self.rank] = mine[0]
         dist.all_reduce(everyone)
         return everyone
@@ -239,7 +256,7 @@ class Trainer:
             if self.rank == 0:
                 self._log_step(everyone, split, step_seconds)
                 if progress:
-                    progress.set_postfix(loss=f"{everyone[:, 2].sum() / everyone[:, 3].sum():.3f}",
+                    progress.set_postfix(loss=f"{everyone[:, 3].sum() / everyone[:, 4].sum():.3f}",
                                          split="/".join(map(str, split)))
                     progress.update()
             self.step += 1
@@ -261,10 +278,11 @@ class Trainer:
         compute = everyone[:, 0].tolist()
         self.log.step({
             "step": self.step, "simulated": self.simulated, "phase": self.phases[-1].name,
-            "loss": everyone[:, 2].sum().item() / everyone[:, 3].sum().item(),
+            "loss": everyone[:, 3].sum().item() / everyone[:, 4].sum().item(),
             "micro_batch": list(split), "compute_s": compute, "wait_s": everyone[:, 1].tolist(),
+            "update_s": everyone[:, 2].tolist(),
             "samples_per_second": [b / t if t > 0 and b > 0 else 0.0 for b, t in zip(split, compute)],
-            "tokens_per_second": everyone[:, 3].sum().item() / step_seconds, "step_s": step_seconds,
+            "tokens_per_second": everyone[:, 4].sum().item() / step_seconds, "step_s": step_seconds,
             "loss_scale": scale, "skipped": found_inf, "grad_norm": grad_norm,
             "lr": self.optimizer.param_groups[0]["lr"],
         })
