@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("train", help="train a GPT across devices of different speeds (default: a simulated "
                                       "cluster of 4 CPU workers)", add_help=False)
     commands.add_parser("report", help="PNG plots of a run directory", add_help=False)
+    commands.add_parser("plan", help="predict the split, precision, memory fit and speed of a mixed GPU cluster",
+                        add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from hetcomm.demo import main as demo
@@ -21,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from hetcomm.train.launch import main as train
         return train(rest)
+    if args.command == "plan":
+        from hetcomm.plan.cli import main as plan
+        return plan(rest)
     if args.command == "report":
         from hetcomm.train.report import main as report
         return report(rest)

@@ -1,0 +1,173 @@
+"""`hetcomm plan`: the split, precision, memory fit and speed of a mixed GPU cluster,
+predicted before it is bought or booked."""
+
+import argparse
+import json
+import sys
+import time
+
+from hetcomm.plan.calibrate import RunProfile, load_run_profile
+from hetcomm.plan.catalog import Catalog, load_catalog
+from hetcomm.plan.cluster import parse_cluster
+from hetcomm.plan.model_shape import PRESETS, parse_model
+from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
+from hetcomm.plan.report import plan_dict, plan_text, simulation_dict, simulation_text
+from hetcomm.plan.simulate import simulate
+from hetcomm.train.simulate import parse_slowdown
+
+DEFAULTS = {"model": "gpt2-124m", "global_batch": 512, "seq": 1024, "net": "10gbe", "intra": "pcie3"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hetcomm plan", description=__doc__,
+        epilog="examples:\n"
+               "  hetcomm plan --cluster \"2x1080ti,1xv100,4xt4\" --net 10gbe --model gpt2-124m --global-batch 512 "
+               "--seq 1024\n"
+               "  hetcomm plan --cluster \"4xt4+2xv100,8x1080ti\" --simulate 200 --slowdown 1:100:0.5\n"
+               "  hetcomm plan --profile runs/latest            (the run's own cluster, from its measurements)\n"
+               "  hetcomm plan --list-devices",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("the cluster")
+    what.add_argument("--cluster", help="machines separated by commas, card groups in a machine joined by +, "
+                                        "e.g. \"2x1080ti+1xv100,4xt4\"")
+    what.add_argument("--net", help=f"link between machines: a name from --list-devices, or a figure such as "
+                                    f"25Gbit/s or 3GB/s@20us (default {DEFAULTS['net']})")
+    what.add_argument("--intra", help=f"link inside a machine (default {DEFAULTS['intra']})")
+    what.add_argument("--devices", action="append", default=[], metavar="FILE",
+                      help="a CSV of more GPUs or links (same columns as the built-in ones); repeatable")
+    job = p.add_argument_group("the job")
+    job.add_argument("--model", help=f"{', '.join(PRESETS)}, or layers=L,heads=H,dim=D[,vocab=V] "
+                                     f"(default {DEFAULTS['model']})")
+    job.add_argument("--global-batch", type=int,
+                     help=f"sequences per optimizer step (default {DEFAULTS['global_batch']})")
+    job.add_argument("--seq", type=int, help=f"tokens per sequence (default {DEFAULTS['seq']})")
+    job.add_argument("--wire", choices=tuple(WIRE_BYTES), default="fp16", help="all-reduce dtype (default fp16)")
+    job.add_argument("--precision", default="auto", help="auto (per card: fp32 on sm_61, fp16 on sm_60/70/75, bf16 "
+                                                         "from sm_80), fp32, fp16 or bf16")
+    job.add_argument("--overlap", action="store_true", help="buckets all-reduced during backward "
+                                                            "(WeightedReducer overlap=True)")
+    model = p.add_argument_group("the model of speed and memory")
+    model.add_argument("--memory-fraction", type=float, default=0.9, help="share of each card's memory to plan "
+                                                                          "with (default 0.9)")
+    model.add_argument("--efficiency", type=float,
+                       help="share of peak FLOP/s the matmuls reach, for every card (default 0.7 without tensor "
+                            "cores, 0.5 with; memory-bound work is costed apart)")
+    model.add_argument("--profile", metavar="RUN_DIR", help="a `hetcomm train` run: plan its cluster from its "
+                                                            "measurements, or calibrate the --cluster's cards by it")
+    model.add_argument("--profile-steps", metavar="FIRST:LAST", help="the run's steps to use (default 1: to the end)")
+    sim = p.add_argument_group("simulation")
+    sim.add_argument("--simulate", type=int, metavar="STEPS", help="step the plan through STEPS iterations with "
+                                                                    "the trainer's rebalancer")
+    sim.add_argument("--noise", type=float, default=0.05, help="relative spread of step times (default 0.05)")
+    sim.add_argument("--slowdown", action="append", default=[], metavar="RANK:STEP:FACTOR",
+                     help="a card that slows down mid-run, e.g. 2:100:0.5; repeatable")
+    sim.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--list-devices", action="store_true", help="the known GPUs and links, then exit")
+    return p
+
+
+def _steps(text: str | None) -> tuple[int, int | None]:
+    if text is None:
+        return 1, None
+    first, _, last = text.partition(":")
+    try:
+        return int(first or 1), int(last) if last else None
+    except ValueError:
+        raise ValueError(f"--profile-steps {text!r}: expected FIRST:LAST step numbers such as 5:40") from None
+
+
+def _check_numbers(args) -> None:
+    for name in ("global_batch", "seq", "simulate"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected a positive integer")
+    if not (0 < args.memory_fraction <= 1):
+        raise ValueError(f"--memory-fraction {args.memory_fraction}: expected a share in (0, 1]")
+    if args.efficiency is not None and not (0 < args.efficiency <= 1):
+        raise ValueError(f"--efficiency {args.efficiency}: expected a share of peak in (0, 1]")
+
+
+def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
+    _check_numbers(args)
+    profile = load_run_profile(args.profile, *_steps(args.profile_steps)) if args.profile else None
+    if args.cluster is None and profile is None:
+        raise ValueError("nothing to plan: give --cluster (e.g. --cluster \"2x1080ti,1xv100,4xt4\") or --profile "
+                         "RUN_DIR; --list-devices shows the known cards")
+    from_run = profile is not None and args.cluster is None
+    model = parse_model(args.model) if args.model else (profile.model if from_run else parse_model(DEFAULTS["model"]))
+    seq = args.seq or (profile.seq if from_run else DEFAULTS["seq"])
+    global_batch = args.global_batch or (profile.global_batch if from_run else DEFAULTS["global_batch"])
+    measured = profile.link if from_run else None
+    in_node = catalog.link(args.intra) if args.intra else (measured or catalog.link(DEFAULTS["intra"]))
+    between = catalog.link(args.net) if args.net else (measured or catalog.link(DEFAULTS["net"]))
+    if from_run:
+        if args.model or args.seq:
+            raise ValueError("--model and --seq change what the run measured; with --profile alone the plan is the "
+                             "run's own model (add --cluster to plan other cards with its calibration)")
+        members = profile.members()
+    else:
+        cluster = parse_cluster(args.cluster, catalog)
+        efficiency = profile.efficiencies(catalog) if profile else {}
+        if args.efficiency is not None:
+            efficiency = {entry.device.name: args.efficiency for entry in cluster}
+        members = spec_members(cluster, model, seq, precision=args.precision, wire=args.wire,
+                               memory_fraction=args.memory_fraction, efficiency=efficiency)
+    plan = make_plan(members, model, seq, global_batch, in_node=in_node, between_nodes=between, wire=args.wire,
+                     overlap=args.overlap, memory_fraction=args.memory_fraction)
+    return plan, profile
+
+
+def list_devices(catalog: Catalog) -> str:
+    lines = [f"{'name':<14} {'label':<28} {'CC':>4} {'fp32':>6} {'fp16':>6} {'bf16':>6} {'GiB':>5} {'GB/s':>6}"]
+    for device in sorted(catalog.devices.values(), key=lambda d: (d.capability, d.name)):
+        bf16 = f"{device.bf16_tflops:6.1f}" if device.bf16_tflops else "     -"
+        lines.append(f"{device.name:<14} {device.label[:28]:<28} {device.capability[0]}.{device.capability[1]:<2} "
+                     f"{device.fp32_tflops:6.1f} {device.fp16_tflops:6.1f} {bf16} {device.memory_gib:5.0f} "
+                     f"{device.bandwidth_gbs:6.0f}")
+    lines.append("\nTFLOPS are public peak figures; fp16 is the rate autocast's matmuls get (tensor cores with fp32 "
+                 "accumulate where present).\n")
+    lines.append(f"{'link':<14} {'label':<40} {'scope':<8} {'GB/s':>7} {'latency':>8}")
+    for link in sorted(catalog.links.values(), key=lambda k: (k.scope, k.bandwidth_gbs)):
+        lines.append(f"{link.name:<14} {link.label[:40]:<40} {link.scope:<8} {link.bandwidth_gbs:7.2f} "
+                     f"{link.latency_us:6.0f}us")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        catalog = load_catalog(args.devices)
+        if args.list_devices:
+            print(list_devices(catalog))
+            return 0
+        slowdowns = tuple(parse_slowdown(text, 10**9) for text in args.slowdown)
+        if slowdowns and args.simulate is None:
+            raise ValueError("--slowdown only acts in a simulation: add --simulate STEPS")
+        start = time.perf_counter()
+        plan, profile = build_plan(args, catalog)
+        seconds = time.perf_counter() - start
+        simulation = simulate(plan, args.simulate, noise=args.noise, slowdowns=slowdowns, seed=args.seed) \
+            if args.simulate else None
+    except (ValueError, FileNotFoundError) as error:
+        parser().exit(2, f"hetcomm plan: error: {error}\n")
+    if args.json:
+        record = plan_dict(plan)
+        record["planning_seconds"] = seconds
+        if profile:
+            record["profile"] = str(profile.path)
+        if simulation:
+            record["simulation"] = simulation_dict(simulation)
+        json.dump(record, sys.stdout, indent=1, allow_nan=False)
+        print()
+        return 0
+    print(plan_text(plan, profile, seconds))
+    if simulation:
+        print()
+        print(simulation_text(simulation, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The plan of a cluster: which device takes how many samples of the global batch, in
+how many micro-steps, at what precision and memory use, and what the step costs.
+
+The split is the balancer's (hetcomm.balance.solve_split, the exact min-max split with
+memory caps, excess becoming accumulation micro-steps): the planner and the trainer
+share that solver and its step-time model t_i(b) = ceil(b / m_i)·a_i + c_i·b. The
+planner adds what the trainer measures instead: a_i, c_i and m_i from specifications
+(hetcomm.plan.cost) or from a calibrating profile, and the all-reduce and the update
+that follow the slowest rank's compute:
+
+    step = max_i t_i(b_i) + exposed all-reduce + update.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hetcomm.amp import PRECISIONS, precision_for_capability
+from hetcomm.balance import Split, solve_split
+from hetcomm.plan.catalog import Device, Link
+from hetcomm.plan.cluster import ClusterDevice
+from hetcomm.plan.cost import (
+    CONTEXT_BYTES,
+    AllReduceCost,
+    DeviceCost,
+    device_cost,
+    exposed_communication,
+    ring_all_reduce,
+)
+from hetcomm.plan.model_shape import ModelShape
+
+WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+BACKWARD_SHARE = 2 / 3   # backward does two of the three matmuls per weight
+# A removal must make the step at least this much faster to name a card as slowing the
+# cluster down: below it the difference is within what the model can tell.
+SLOW_CARD_GAIN = 0.01
+JITTER_DRAWS = 4096
+
+
+@dataclass(frozen=True)
+class Member:
+    """One device as the planner sees it."""
+
+    name: str          # the catalog's name, or what the profile called it
+    label: str
+    node: int          # machine index; the ring crosses the network between machines
+    cost: DeviceCost
+    source: str        # "specification", "specification, calibrated efficiency" or "measured"
+    jitter: float = 0.0   # relative spread of its step times (measured; 0 when planned from specifications)
+    device: Device | None = None   # the catalog entry it was costed from, if any
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    member: Member
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlowCard:
+    """Cards of one kind whose removal makes the step faster."""
+
+    name: str
+    label: str
+    removed: int       # how many of them were taken out
+    step_s: float      # the step without them
+    faster: float      # 1 - step_s / the plan's step
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelShape
+    seq: int
+    global_batch: int
+    wire: str
+    overlap: bool
+    link: Link                    # the slowest link the ring crosses
+    members: tuple[Member, ...]   # the devices that train, in rank order
+    left_out: tuple[LeftOut, ...]
+    split: Split
+    compute_s: float              # the slowest rank's compute: expected over the ranks' jitter, if any
+    all_reduce: AllReduceCost
+    exposed_comm_s: float
+    update_s: float
+    step_s: float
+    equal_step_s: float           # the same cluster with an equal split (accumulating over caps)
+    single_device: str            # the fastest member, the Amdahl baseline
+    single_device_s: float        # its time for the whole global batch alone
+    slow_cards: tuple[SlowCard, ...] = field(default=())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_batch * self.seq / self.step_s
+
+    @property
+    def speedup_over_equal(self) -> float:
+        return self.equal_step_s / self.step_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.exposed_comm_s / self.step_s
+
+    @property
+    def parallel_fraction(self) -> float | None:
+        """Amdahl's p from this plan's speed-up S over the fastest device alone and the
+        cluster's size in units of that device, n = sum of throughputs / its throughput:
+        S = 1 / ((1 - p) + p / n). None for a cluster of one device's worth."""
+        fastest = max(1 / m.cost.per_sample for m in self.members)
+        n = sum(1 / m.cost.per_sample for m in self.members) / fastest
+        if n <= 1 + 1e-9:
+            return None
+        speedup = self.single_device_s / self.step_s
+        return min(1.0, (1 - 1 / speedup) / (1 - 1 / n))
+
+
+def ring_link(nodes: set[int], in_node: Link, between_nodes: Link) -> Link:
+    """The link that paces a ring: the slower of the two once it crosses machines."""
+    if len(nodes) <= 1:
+        return in_node
+    return min((in_node, between_nodes), key=lambda link: (link.bandwidth_gbs, -link.latency_us))
+
+
+def spec_members(cluster: Sequence[ClusterDevice], model: ModelShape, seq: int, *, precision: str = "auto",
+                 wire: str = "fp16", memory_fraction: float = 0.9,
+                 efficiency: dict[str, float] | None = None) -> list[Member]:
+    """Members costed from the device database; `efficiency` maps device names to a
+    calibrated share of peak (others get the default)."""
+    if precision != "auto" and precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: expected auto or one of {', '.join(PRECISIONS)}")
+    efficiency = efficiency or {}
+    costs: dict[str, DeviceCost] = {}   # one per kind of card: a 10,000-card cluster has a handful
+    members = []
+    for entry in cluster:
+        device = entry.device
+        if device.name not in costs:
+            chosen = precision_for_capability(device.capability) if precision == "auto" else precision
+            costs[device.name] = device_cost(device, model, seq, chosen, wire_bytes=WIRE_BYTES[wire],
+                                             memory_fraction=memory_fraction,
+                                             efficiency=efficiency.get(device.name))
+        source = "specification" + (", calibrated efficiency" if device.name in efficiency else "")
+        members.append(Member(device.name, device.label, entry.node, costs[device.name], source, device=device))
+    return members
+
+
+def _why_left_out(cost: DeviceCost) -> str:
+    gib = 2**30
+    if cost.state_bytes >= cost.memory_bytes:
+        return (f"weights, gradients and optimizer state take {cost.state_bytes / gib:.1f} GiB of the "
+                f"{cost.memory_bytes / gib:.1f} GiB usable")
+    return (f"one sample needs {cost.activation_bytes / gib:.2f} GiB of activations; "
+            f"{(cost.memory_bytes - cost.state_bytes) / gib:.2f} GiB are left beside the state")
+
+
+def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, *, in_node: Link,
+              between_nodes: Link, wire: str = "fp16", overlap: bool = False, find_slow_cards: bool = True,
+              memory_fraction: float = 0.9) -> Plan:
+    """The plan for `members` (rank order). Devices that cannot hold one sample are
+    left out (with the reason); ValueError when none can (saying what would make the
+    model fit on the catalogued card with the most memory), or when the global batch is smaller than the number
+    of devices (every device takes at least one sample, as in the trainer)."""
+    if wire not in WIRE_BYTES:
+        raise ValueError(f"--wire {wire!r}: expected one of {', '.join(WIRE_BYTES)}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"--global-batch {global_batch!r}: expected a positive integer")
+    training = [m for m in members if m.cost.cap is None or m.cost.cap >= 1]
+    left_out = tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if m not in training) \
+        if len(training) < len(members) else ()
+    if not training:
+        catalogued = [m for m in members if m.device is not None]
+        advice = fit_advice(catalogued, model, seq, wire=wire, memory_fraction=memory_fraction) if catalogued else ""
+        raise ValueError(f"{model.name} at --seq {seq} fits on none of the devices: "
+                         f"{left_out[0].member.label}: {left_out[0].reason}." + (f" {advice}" if advice else ""))
+    if global_batch < len(training):
+        raise ValueError(f"--global-batch {global_batch} is smaller than the {len(training)} devices that can train: "
+                         f"every device takes at least one sample per step; use --global-batch {len(training)} or "
+                         f"more, or fewer devices")
+    split = solve_split(global_batch, [(m.cost.fixed, m.cost.per_sample) for m in training],
+                        [m.cost.cap for m in training], "accumulate")
+    link = ring_link({m.node for m in training}, in_node, between_nodes)
+    all_reduce = ring_all_reduce(len(training), model.parameters(seq), WIRE_BYTES[wire], link)
+    jitter = [m.jitter for m in training]
+    compute = expected_slowest(split.rank_times, jitter)
+    equal_compute = expected_slowest(equal_rank_times(training, global_batch), jitter)
+    exposed = exposed_communication(all_reduce, BACKWARD_SHARE * compute, overlap)
+    equal_exposed = exposed_communication(all_reduce, BACKWARD_SHARE * equal_compute, overlap)
+    update = max(m.cost.update_seconds for m in training)
+    fastest = min(training, key=lambda m: m.cost.per_sample)
+    cap = fastest.cost.cap or global_batch
+    alone = math.ceil(global_batch / cap) * fastest.cost.fixed + fastest.cost.per_sample * global_batch
+    plan = Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=overlap, link=link,
+                members=tuple(training), left_out=left_out, split=split, compute_s=compute, all_reduce=all_reduce,
+                exposed_comm_s=exposed, update_s=update, step_s=compute + exposed + update,
+                equal_step_s=equal_compute + equal_exposed + update, single_device=fastest.label,
+                single_device_s=alone + fastest.cost.update_seconds)
+    if not find_slow_cards:
+        return plan
+    return Plan(**{**plan.__dict__, "slow_cards": _slow_cards(plan, members, in_node, between_nodes)})
+
+
+def equal_rank_times(members: Sequence[Member], global_batch: int) -> list[float]:
+    """Each member's compute time under an equal split (the first B mod n one more),
+    accumulating wherever its share exceeds its cap."""
+    ranks = len(members)
+    sizes = [global_batch // ranks + (i < global_batch % ranks) for i in range(ranks)]
+    return [math.ceil(b / (m.cost.cap or global_batch)) * m.cost.fixed + m.cost.per_sample * b
+            for m, b in zip(members, sizes)]
+
+
+def expected_slowest(times: Sequence[float], jitter: Sequence[float]) -> float:
+    """E[max_i t_i·exp(σ_i·z_i)], z_i standard normal: a synchronous step waits for the
+    unluckiest rank, and a balanced split makes every rank a candidate. Exact (the max)
+    without jitter; otherwise a fixed-seed Monte Carlo estimate, the same every call."""
+    if not any(jitter):
+        return max(times)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.randn(JITTER_DRAWS, len(times), generator=generator, dtype=torch.float64)
+    stretched = torch.tensor(times, dtype=torch.float64) * torch.exp(draws * torch.tensor(jitter, dtype=torch.float64))
+    return stretched.max(dim=1).values.mean().item()
+
+
+def _slow_cards(plan: Plan, members: Sequence[Member], in_node: Link, between_nodes: Link) -> tuple[SlowCard, ...]:
+    """Re-plans without one card of each kind, and without all of that kind; a removal
+    that makes the step at least SLOW_CARD_GAIN faster names the card (the last one of
+    its kind in rank order). The largest gain comes first."""
+    found = []
+    for name in dict.fromkeys(m.name for m in plan.members):
+        positions = [i for i, m in enumerate(members) if m.name == name]
+        for removed in dict.fromkeys((1, len(positions))):
+            drop = set(positions[-removed:])
+            rest = [m for i, m in enumerate(members) if i not in drop]
+            if sum(1 for m in rest if m.cost.cap is None or m.cost.cap >= 1) == 0:
+                continue
+            try:
+                without = make_plan(rest, plan.model, plan.seq, plan.global_batch, in_node=in_node,
+                                    between_nodes=between_nodes, wire=plan.wire, overlap=plan.overlap,
+                                    find_slow_cards=False)
+            except ValueError:
+                continue
+            if without.step_s < plan.step_s * (1 - SLOW_CARD_GAIN):
+                found.append(SlowCard(name, members[positions[0]].label, removed, without.step_s,
+                                      1 - without.step_s / plan.step_s))
+    return tuple(sorted(found, key=lambda slow: -slow.faster))
+
+
+def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: str, memory_fraction: float) -> str:
+    """What would make the model fit on the card with the most memory: a larger card or
+    a smaller model when its state alone does not fit; otherwise 16-bit activations, a
+    shorter sequence (micro-batches are already 1, so accumulation cannot help)."""
+    largest = max(members, key=lambda m: m.device.memory_gib)
+    device, chosen = largest.device, largest.cost.precision
+
+    def cost(seq_: int, precision_: str) -> DeviceCost:
+        return device_cost(device, model, seq_, precision_, wire_bytes=WIRE_BYTES[wire],
+                           memory_fraction=memory_fraction)
+
+    gib = 2**30
+    here = cost(seq, chosen)
+    if here.state_bytes >= here.memory_bytes:
+        per_parameter = (here.state_bytes - CONTEXT_BYTES) / model.parameters(seq)
+        needed = here.state_bytes / memory_fraction / gib
+        return (f"Its state needs about {per_parameter:.0f} bytes per parameter (fp32 weights and gradients, "
+                f"AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, a larger --memory-fraction, "
+                f"or a model of about {model.parameters(seq) * here.memory_bytes / here.state_bytes / 1e6:.0f}M "
+                f"parameters would fit on the {device.label}.")
+    options = []
+    if chosen == "fp32" and device.capability >= (6, 0):
+        half = "bf16" if device.bf16_tflops else "fp16"
+        if cost(seq, half).cap:
+            slow = ", slow arithmetic on sm_61" if device.capability == (6, 1) else ""
+            options.append(f"--precision {half} (16-bit activations{slow})")
+    shorter = seq
+    while shorter > 1 and not cost(shorter, chosen).cap:
+        shorter //= 2
+    if shorter < seq and cost(shorter, chosen).cap:
+        options.append(f"--seq {shorter} or shorter")
+    ask = " or ".join(options) if options else "a card with more memory"
+    return (f"Even a micro-batch of 1 does not fit on the {device.label} ({here.memory_bytes / gib:.1f} GiB usable), "
+            f"so gradient accumulation cannot help; {ask} would make it fit.")
+

@@ -1,0 +1,139 @@
+"""A plan and a simulation as text for people and as plain dicts for JSON."""
+
+from itertools import groupby
+
+from hetcomm.plan.calibrate import RunProfile
+from hetcomm.plan.planner import Member, Plan
+from hetcomm.plan.simulate import Simulation
+
+GIB = 2**30
+
+
+def _member_rows(plan: Plan) -> list[dict]:
+    rows = []
+    for rank, member in enumerate(plan.members):
+        micro = plan.split.micro_batches[rank]
+        rows.append({"rank": rank, "device": member.name, "label": member.label, "machine": member.node,
+                     "precision": member.cost.precision, "source": member.source,
+                     "samples": plan.split.sizes[rank], "micro_batch": max(micro) if micro else 0,
+                     "accumulation_steps": len(micro), "max_micro_batch": member.cost.cap,
+                     "memory_gib": member.cost.memory_use(max(micro) if micro else 0) / GIB,
+                     "memory_available_gib": member.cost.memory_bytes / GIB if member.cost.memory_bytes else None,
+                     "compute_s": plan.split.rank_times[rank],
+                     "fixed_s": member.cost.fixed, "per_sample_s": member.cost.per_sample,
+                     "efficiency": member.cost.efficiency})
+    return rows
+
+
+def plan_dict(plan: Plan) -> dict:
+    return {
+        "model": {"name": plan.model.name, "parameters": plan.model.parameters(plan.seq), "layers": plan.model.n_layer,
+                  "heads": plan.model.n_head, "dim": plan.model.n_embd, "vocab": plan.model.vocab_size},
+        "seq": plan.seq, "global_batch": plan.global_batch, "wire": plan.wire, "overlap": plan.overlap,
+        "link": {"name": plan.link.name, "bandwidth_gbs": plan.link.bandwidth_gbs, "latency_us": plan.link.latency_us},
+        "devices": _member_rows(plan),
+        "left_out": [{"device": x.member.name, "label": x.member.label, "machine": x.member.node, "reason": x.reason}
+                     for x in plan.left_out],
+        "step_s": plan.step_s, "compute_s": plan.compute_s, "all_reduce_s": plan.all_reduce.seconds,
+        "all_reduce_algorithm": plan.all_reduce.algorithm,
+        "exposed_comm_s": plan.exposed_comm_s, "update_s": plan.update_s,
+        "wire_bytes_per_rank": plan.all_reduce.wire_bytes, "tokens_per_s": plan.tokens_per_s,
+        "equal_split_step_s": plan.equal_step_s, "speedup_over_equal": plan.speedup_over_equal,
+        "comm_share": plan.comm_share, "parallel_fraction": plan.parallel_fraction,
+        "single_device": plan.single_device, "single_device_s": plan.single_device_s,
+        "slow_cards": [{"device": s.name, "label": s.label, "removed": s.removed, "step_s": s.step_s,
+                        "faster": s.faster} for s in plan.slow_cards],
+    }
+
+
+def _group_key(item: tuple[Member, dict]):
+    member, row = item
+    return member.name, member.node, row["samples"], row["micro_batch"], row["accumulation_steps"]
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -> str:
+    machines = len({m.node for m in plan.members})
+    lines = [f"hetcomm plan: {plan.model.describe(plan.seq)}",
+             f"  seq {plan.seq}, global batch {plan.global_batch} sequences, {plan.wire} wire"
+             + (", all-reduce overlapped with backward" if plan.overlap else ", all-reduce after backward"),
+             f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; all-reduce paced by "
+             f"{plan.link.label} ({plan.link.bandwidth_gbs:.2f} GB/s, {plan.link.latency_us:g} us)"]
+    if profile:
+        lines.append(f"  calibrated by {profile.path} ({profile.steps} steps"
+                     + (", a SIMULATED cluster" if profile.simulated else "") + ")")
+    lines.append("")
+    header = (f"  {'devices':<34} {'mach':>4} {'prec':>5} {'samples':>8} {'micro':>6} {'accum':>5} "
+              f"{'memory GiB':>14} {'compute':>10} {'tok/s':>9}")
+    lines.append(header)
+    rows = list(zip(plan.members, _member_rows(plan)))
+    for (_, node, samples, micro, accumulation), group in groupby(rows, key=_group_key):
+        group = list(group)
+        member, row = group[0]
+        count = f"{len(group)}x " if len(group) > 1 else ""
+        available = f"/{row['memory_available_gib']:.1f}" if row["memory_available_gib"] else ""
+        tokens = samples * plan.seq / plan.step_s
+        lines.append(f"  {(count + member.label)[:34]:<34} {node:>4} {member.cost.precision:>5} {samples:>8} "
+                     f"{micro:>6} {accumulation:>5} {row['memory_gib']:>7.1f}{available:<7} "
+                     f"{_seconds(row['compute_s']):>10} {tokens:>9,.0f}")
+    lines.append("")
+    all_reduce = plan.all_reduce
+    lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + all-reduce "
+                 f"{_seconds(plan.exposed_comm_s)} (of a {_seconds(all_reduce.seconds)} {all_reduce.algorithm}, "
+                 f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank) + update {_seconds(plan.update_s)}")
+    lines.append(f"  {plan.tokens_per_s:,.0f} tokens/s; {plan.speedup_over_equal:.2f}x the speed of an equal split "
+                 f"({_seconds(plan.equal_step_s)} per step)")
+    fraction = plan.parallel_fraction
+    amdahl = (f"Amdahl parallel fraction {fraction:.2f} (speed-up {plan.single_device_s / plan.step_s:.1f}x over "
+              f"one {plan.single_device} alone)") if fraction is not None else "one device: no parallel fraction"
+    lines.append(f"  communication {plan.comm_share:.0%} of the step; {amdahl}")
+    for slow in plan.slow_cards:
+        which = f"one {slow.label}" if slow.removed == 1 else f"all {slow.removed} {slow.label}"
+        lines.append(f"  SLOWS THE CLUSTER DOWN: without {which} the step takes {_seconds(slow.step_s)} "
+                     f"({slow.faster:.1%} faster)")
+    for item in plan.left_out:
+        lines.append(f"  left out: {item.member.label} (machine {item.member.node}): {item.reason}")
+    lines.append(f"  (planned in {planning_seconds:.3f} s; figures from public peak specifications times an "
+                 f"efficiency unless calibrated)" if not profile else f"  (planned in {planning_seconds:.3f} s)")
+    return "\n".join(lines)
+
+
+def _sizes_text(plan: Plan, sizes: tuple[int, ...]) -> str:
+    if len(sizes) <= 16:
+        return "/".join(map(str, sizes))
+    parts = []
+    for name, group in groupby(zip(plan.members, sizes), key=lambda item: item[0].name):
+        values = [b for _, b in group]
+        low, high = min(values), max(values)
+        parts.append(f"{name} {low}" + (f"-{high}" if high != low else ""))
+    return ", ".join(parts)
+
+
+def simulation_dict(simulation: Simulation) -> dict:
+    return {"steps": simulation.steps, "noise": simulation.noise,
+            "slowdowns": [{"rank": s.rank, "step": s.step, "factor": s.factor} for s in simulation.slowdowns],
+            "static_s": simulation.static_s, "rebalanced_s": simulation.rebalanced_s, "ideal_s": simulation.ideal_s,
+            "rebalances": [{"step": r.step, "predicted_gain": r.predicted_gain, "sizes": list(r.sizes)}
+                           for r in simulation.rebalances],
+            "final_sizes": list(simulation.final_sizes), "static_step_s": list(simulation.static_step_s),
+            "rebalanced_step_s": list(simulation.rebalanced_step_s)}
+
+
+def simulation_text(simulation: Simulation, plan: Plan) -> str:
+    slowdowns = ", ".join(f"rank {s.rank} x{s.factor:g} from step {s.step}" for s in simulation.slowdowns) or "none"
+    lines = [f"SIMULATED {simulation.steps} steps (noise {simulation.noise:.0%}, slowdowns: {slowdowns}):",
+             f"  planned split kept:  {simulation.static_s:10.1f} s",
+             f"  with rebalancing:    {simulation.rebalanced_s:10.1f} s "
+             f"({simulation.rebalanced_s / simulation.static_s - 1:+.1%} against kept)",
+             f"  ideal (true speeds): {simulation.ideal_s:10.1f} s "
+             f"(rebalancing is {simulation.rebalanced_s / simulation.ideal_s - 1:+.1%} over it)"]
+    for event in simulation.rebalances[:20]:
+        lines.append(f"  step {event.step:>5}: rebalanced (predicted gain {event.predicted_gain:.1%}) -> "
+                     f"{_sizes_text(plan, event.sizes)}")
+    if len(simulation.rebalances) > 20:
+        lines.append(f"  ... {len(simulation.rebalances) - 20} more rebalances")
+    lines.append(f"  final split: {_sizes_text(plan, simulation.final_sizes)}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Stepping a plan through N iterations with noise and mid-run slowdowns, to show what
+the trainer's rebalancer (hetcomm.balance.Rebalancer with the trainer's settings) would
+do, against keeping the planned split and against the ideal split for the true speeds.
+
+Each step, rank i's true compute time is the plan's t_i(b_i) divided by its speed
+factor (1, times every slowdown that has started) and multiplied by exp(noise·z),
+z standard normal: the same draws for both policies, so their difference is the
+policy's alone. A step costs the slowest rank's compute plus the plan's exposed
+all-reduce and update."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hetcomm.balance import Rebalancer, predict_rank_times, solve_split
+from hetcomm.balance.rebalancer import TRAINING_SETTINGS
+from hetcomm.plan.planner import Plan
+from hetcomm.train.simulate import Slowdown
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    step: int
+    predicted_gain: float
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    steps: int
+    noise: float
+    slowdowns: tuple[Slowdown, ...]
+    static_s: float        # the planned split kept throughout
+    rebalanced_s: float    # the rebalancer following the measurements
+    ideal_s: float         # the best split for the true speeds of each step, without noise
+    rebalances: tuple[Rebalance, ...]
+    final_sizes: tuple[int, ...]
+    static_step_s: tuple[float, ...]
+    rebalanced_step_s: tuple[float, ...]
+
+
+def _observed(sizes: tuple[int, ...], profiles: list, caps: list, slowness: torch.Tensor) -> list[float]:
+    """Each rank's compute time for `sizes` this step: the model's, stretched."""
+    return (torch.tensor(predict_rank_times(sizes, profiles, caps), dtype=torch.float64) * slowness).tolist()
+
+
+def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Slowdown, ...] = (), seed: int = 0,
+             threshold: float = 0.05) -> Simulation:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--simulate {steps!r}: expected a positive number of steps")
+    if not (isinstance(noise, (int, float)) and math.isfinite(noise) and 0 <= noise <= 1):
+        raise ValueError(f"--noise {noise!r}: expected the relative spread of step times, between 0 and 1")
+    ranks = len(plan.members)
+    for slowdown in slowdowns:
+        if not 0 <= slowdown.rank < ranks:
+            raise ValueError(f"--slowdown {slowdown.rank}:{slowdown.step}:{slowdown.factor:g}: rank {slowdown.rank} "
+                             f"does not exist; the plan has {ranks} training devices (ranks 0 to {ranks - 1})")
+    profiles = [(m.cost.fixed, m.cost.per_sample) for m in plan.members]
+    caps = [m.cost.cap for m in plan.members]
+    overhead = plan.exposed_comm_s + plan.update_s
+    rebalancer = Rebalancer(plan.global_batch, plan.split.sizes, profiles, memory_caps=caps, threshold=threshold,
+                            **TRAINING_SETTINGS)
+    generator = torch.Generator().manual_seed(seed)
+    static_times, rebalanced_times, rebalances = [], [], []
+    ideal_total, ideal_cache = 0.0, {}
+    for step in range(steps):
+        speed = torch.ones(ranks, dtype=torch.float64)
+        for slowdown in slowdowns:
+            if step >= slowdown.step:
+                speed[slowdown.rank] *= slowdown.factor
+        slowness = torch.exp(noise * torch.randn(ranks, generator=generator, dtype=torch.float64)) / speed
+        static = _observed(plan.split.sizes, profiles, caps, slowness)
+        static_times.append(max(static) + overhead)
+        measured = _observed(rebalancer.sizes, profiles, caps, slowness)
+        rebalanced_times.append(max(measured) + overhead)
+        decision = rebalancer.observe(measured)
+        if decision.changed:
+            rebalances.append(Rebalance(step, decision.predicted_gain, decision.sizes))
+        key = tuple(speed.tolist())
+        if key not in ideal_cache:
+            true = [(a / s, c / s) for (a, c), s in zip(profiles, key)]
+            ideal_cache[key] = solve_split(plan.global_batch, true, caps, "accumulate").step_time + overhead
+        ideal_total += ideal_cache[key]
+    return Simulation(steps=steps, noise=noise, slowdowns=tuple(slowdowns), static_s=sum(static_times),
+                      rebalanced_s=sum(rebalanced_times), ideal_s=ideal_total, rebalances=tuple(rebalances),
+                      final_sizes=rebalancer.sizes, static_step_s=tuple(static_times),
+                      rebalanced_step_s=tuple(rebalanced_times))
