@@ -49,6 +49,34 @@ def test_unequal_split_trains_like_the_equal_split(tmp_path):
     torch.testing.assert_close(torch.tensor(unequal), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
+def train_with_probed_caps(rank, world, config, probed):
+    """A device that holds probed[rank] windows at most (None: no limit), as the CUDA
+    allocator's out-of-memory errors would tell the probe."""
+    from hetcomm.balance import MemoryProbe
+    from hetcomm.train import trainer as trainer_module
+
+    trainer_module.probe_memory = lambda step, device, max_size: MemoryProbe(probed[rank], None, ())
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    caps = trainer.caps
+    trainer.run()
+    return caps, losses(config.out) if rank == 0 else None
+
+
+def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
+    plain = values(run_ranks(2, train, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "plain")),
+                             tmp_path=tmp_path))[0]
+    results = values(run_ranks(2, train_with_probed_caps, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "c")),
+                               [3, None], tmp_path=tmp_path / "c"))
+    assert [caps for caps, _ in results] == [[3, None], [3, None]]   # every rank knows every cap
+    # Rank 0 runs its 4 windows as 3 + 1: the same gradient, so the same losses.
+    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(plain), rtol=1e-5, atol=0)
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["memory_caps"] == [3, None]
+    refused = run_ranks(2, train_with_probed_caps, tiny_config(tmp_path, out=str(tmp_path / "z")), [None, 0],
+                        tmp_path=tmp_path / "z")
+    for result in refused:
+        assert result["type"] == "ValueError" and "rank 1 cannot hold one window of 16 tokens" in result["message"]
+
+
 def interrupted_then_resumed(rank, world, config):
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     trainer.run(until=3)

@@ -91,6 +91,21 @@ class RunProfile:
         return {name: statistics.median(values) for name, values in found.items()}
 
 
+def step_jitter(points: list[tuple[int, float]], fixed: float, per_sample: float) -> float:
+    """The step-to-step spread of a rank's compute time, as a standard deviation of
+    log(time): pooled over the repeats at each size, so that how well the line fits
+    across sizes does not count as noise; from the residuals of the line when no size
+    was run twice."""
+    by_size: dict[int, list[float]] = {}
+    for size, seconds in points:
+        by_size.setdefault(size, []).append(math.log(seconds))
+    repeats = [logs for logs in by_size.values() if len(logs) > 1]
+    if not repeats:
+        return statistics.pstdev(math.log(t / (fixed + per_sample * b)) for b, t in points)
+    squares = sum(sum((x - statistics.fmean(logs)) ** 2 for x in logs) for logs in repeats)
+    return math.sqrt(squares / sum(len(logs) - 1 for logs in repeats))
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -123,7 +138,7 @@ def load_run_profile(run_dir: str | Path, first_step: int = 1, last_step: int | 
     if not chosen:
         raise ValueError(f"--profile {run_dir}: no steps between {first_step} and {last_step} in {steps_path.name}")
     world = len(header["ranks"])
-    caps = [int(c) for c in config["memory_caps"].split(",")] if config.get("memory_caps") else [None] * world
+    caps = header.get("memory_caps") or [None] * world   # what the run used: given or probed
     ranks = []
     for i, rank in enumerate(header["ranks"]):
         # Only steps the rank ran in one micro-step fit the one-micro-step line.
@@ -137,7 +152,7 @@ def load_run_profile(run_dir: str | Path, first_step: int = 1, last_step: int | 
         except ValueError:
             # One size only (a fixed split), or too noisy for a slope: its throughput.
             fixed, per_sample, method = 0.0, statistics.median(t / b for b, t in points), "throughput"
-        jitter = statistics.pstdev(math.log(t / (fixed + per_sample * b)) for b, t in points)
+        jitter = step_jitter(points, fixed, per_sample)
         capability = tuple(rank["capability"]) if rank["capability"] else None
         ranks.append(RankProfile(device=rank["device"], capability=capability, host=rank["host"],
                                  speed=float(rank.get("speed", 1.0)), fixed=fixed, per_sample=per_sample,

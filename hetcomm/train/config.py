@@ -91,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
                      help="adopt a new split only if it predicts this much less step time (default %(default)s)")
     bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "
                                      "overrides --balance")
-    bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes "
-                                           "gradient accumulation)")
+    bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes gradient "
+                                           "accumulation); default: found on GPUs by running the real step at "
+                                           "growing sizes, none on CPUs")
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
     cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)

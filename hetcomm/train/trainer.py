@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.amp import DynamicLossScaler, autocast_dtype
-from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, solve_split
+from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, probe_memory, solve_split
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.train.checkpoint import load_checked, save_atomic
@@ -111,7 +111,7 @@ class Trainer:
         scaled = torch.tensor([float(wire == torch.float16 or self.autocast == torch.float16)])
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
         self.scaler = DynamicLossScaler(scale=config.loss_scale, growth_interval=200) if scaled.item() else None
-        self.caps = parse_caps(config.memory_caps, world) if config.memory_caps else None
+        self.caps = parse_caps(config.memory_caps, world) if config.memory_caps else self._probe_caps()
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
         self.speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown))
@@ -130,7 +130,32 @@ class Trainer:
         ranks = self._describe_ranks()
         self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
                                        "vocab_size": self.data.vocab_size, "ranks": ranks,
+                                       "memory_caps": self.caps,
                                        "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
+
+    def _probe_caps(self) -> list[int | None] | None:
+        """Each rank's largest micro-batch, found by running the real step at growing
+        sizes on its device (an out-of-memory error becomes the cap; CPUs have none),
+        gathered so that every rank holds every cap. None when no rank has one. A rank
+        that cannot hold one window stops every rank with the same error."""
+        def step(size: int) -> None:
+            windows = [i % len(self.data) for i in range(size)]
+            inputs, targets = (t.to(self.device) for t in self.data.batch(windows))
+            with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                _, loss = self.model(inputs, targets, reduction="sum")
+            loss.backward()
+
+        # Probing must leave no trace: no gradients, the random streams where they were.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            cap = probe_memory(step, self.device, self.config.global_batch).cap
+        self.model.zero_grad(set_to_none=True)
+        caps: list[int | None] = [None] * self.world
+        dist.all_gather_object(caps, cap)
+        for rank, found in enumerate(caps):
+            if found == 0:
+                raise ValueError(f"rank {rank} cannot hold one window of {self.config.block_size} tokens in its "
+                                 f"device's memory; use a smaller --block-size or model, or leave that device out")
+        return caps if any(c is not None for c in caps) else None
 
     def _describe_ranks(self) -> list[dict]:
         """Every rank's device and host, for the log: what the planner calibrates against."""
