@@ -2,8 +2,8 @@
 #   make train   the main job on its built-in default: a simulated cluster of 4 CPU workers of
 #                different speeds trains a small GPT, then says what balancing bought
 #   make test    the test suite
-# Also: make demo (one weighted reduction, checked and timed), make bench (CPU benchmarks and
-# their table), make info, make clean.
+# Also: make demo (one weighted reduction, checked and timed), make plan (the planner on an example
+# mixed cluster), make bench (CPU benchmarks and their table), make info, make clean.
 #
 # TORCH picks the torch build, e.g. make test TORCH=torch==2.13.0 (CPU-only wheel).
 # HETCOMM_CUDA=1 makes the build fail rather than fall back to CPU-only (see setup.py).
@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetcomm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
 
-.PHONY: train demo test bench info clean
+.PHONY: train demo plan test bench info clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ train: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hetcomm demo
+
+plan: $(STAMP)
+	$(VENV)/bin/hetcomm plan --cluster "2x1080ti,1xv100,4xt4" --net 10gbe --model gpt2-124m --global-batch 512 --seq 1024
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -16,6 +16,7 @@ the ranks' measured throughputs, step by step, with no communication at all.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,16 +27,28 @@ from pathlib import Path
 
 import torch
 
-SPEEDS = "1,1,0.5,0.25"
+RELATIVE_SPEEDS = (1.0, 1.0, 0.5, 0.25)
+# The simulated cluster may keep at most this share of the machine's cores busy: a rank of
+# speed s computes for s of its step and sleeps the rest, so the ranks together need Σ s
+# cores; more than the machine has and they slow each other down in ways no real cluster
+# of separate cards does (4 ranks of speeds 1, 1, 0.5, 0.25 want 2.75 cores).
+CORE_SHARE = 0.75
+GLOBAL_BATCH = 64
 # Steps of about a second on 2 cores, so that the per-step collectives are a few percent of a step.
-MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch", "96",
-         "--equal-steps", "3"]
+MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch",
+         str(GLOBAL_BATCH), "--equal-steps", "2"]
 STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "hetcomm rebalancing": "dynamic"}
 
 
+def simulated_speeds() -> str:
+    """RELATIVE_SPEEDS scaled down until the ranks fit in CORE_SHARE of this machine."""
+    scale = min(1.0, CORE_SHARE * (os.cpu_count() or 1) / sum(RELATIVE_SPEEDS))
+    return ",".join(f"{scale * s:.4g}" for s in RELATIVE_SPEEDS)
+
+
 def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:
-    command = [sys.executable, "-m", "hetcomm", "train", "--speeds", SPEEDS, "--steps", str(steps), "--balance",
-               strategy, "--out", str(out), "--no-progress", *MODEL]
+    command = [sys.executable, "-m", "hetcomm", "train", "--speeds", simulated_speeds(), "--steps", str(steps),
+               "--balance", strategy, "--out", str(out), "--no-progress", *MODEL]
     if slowdown:
         command += ["--slowdown", slowdown]
     subprocess.run(command, check=True, capture_output=True, text=True)
@@ -83,10 +96,11 @@ def main():
                              "reduction_vs_equal": 1 - seconds / equal_seconds, "over_ideal": seconds / ideal - 1})
             rows.append({"scenario": scenario, "strategy": "ideal bound (measured throughputs, no communication)",
                          "train_seconds": ideal, "reduction_vs_equal": 1 - ideal / equal_seconds, "over_ideal": 0.0})
-    tokens = args.steps * 96 * 128
+    tokens = args.steps * GLOBAL_BATCH * 128
     print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
-          f"CPU machine: 4 Gloo workers, speed factors {SPEEDS}, GPT 2x192, {args.steps} steps of 96 windows x 128 "
-          f"tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step times; process "
+          f"CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, scaled to "
+          f"keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of {GLOBAL_BATCH} "
+          f"windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step times; process "
           f"start-up excluded).\n")
     print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound |")
     print("|---|---|---|---|---|")

@@ -315,3 +315,23 @@ def test_command_line_bad_input(capsys, args, message):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("hetcomm plan: error:") and message in err and "Traceback" not in err
+
+
+def test_step_jitter_pools_repeats_and_ignores_the_fit_across_sizes():
+    from hetcomm.plan.calibrate import step_jitter
+
+    # Size 4 repeats at 1.0·e^±0.1, size 8 at 3.0·e^±0.1: a poor line fit, the same noise.
+    points = [(4, math.exp(0.1)), (4, math.exp(-0.1)), (8, 3 * math.exp(0.1)), (8, 3 * math.exp(-0.1))]
+    assert step_jitter(points, 0.0, 0.3) == pytest.approx(math.sqrt(4 * 0.01 / 2))
+    # No size seen twice: the residuals of the line.
+    assert step_jitter([(2, 1.0), (4, 2.0)], 0.0, 0.5) == pytest.approx(0.0)
+
+
+def test_expected_slowest_rank_under_jitter():
+    from hetcomm.plan.planner import expected_slowest
+
+    assert expected_slowest([1.0, 3.0, 2.0], [0.0, 0.0, 0.0]) == 3.0
+    # One rank: E[t·exp(σz)] = t·exp(σ²/2), the lognormal mean.
+    assert expected_slowest([2.0], [0.2]) == pytest.approx(2 * math.exp(0.02), rel=0.01)
+    # Two equal ranks: E[max] = t·E[exp(σ·max(z1, z2))] > the single-rank mean.
+    assert expected_slowest([2.0, 2.0], [0.2, 0.2]) > 2 * math.exp(0.02) * 1.05

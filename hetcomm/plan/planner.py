@@ -260,10 +260,11 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
     if here.state_bytes >= here.memory_bytes:
         per_parameter = (here.state_bytes - CONTEXT_BYTES) / model.parameters(seq)
         needed = here.state_bytes / memory_fraction / gib
+        largest_model = (here.memory_bytes - CONTEXT_BYTES) / per_parameter / 1e6
         return (f"Its state needs about {per_parameter:.0f} bytes per parameter (fp32 weights and gradients, "
                 f"AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, a larger --memory-fraction, "
-                f"or a model of about {model.parameters(seq) * here.memory_bytes / here.state_bytes / 1e6:.0f}M "
-                f"parameters would fit on the {device.label}.")
+                f"or a model of at most about {largest_model:.0f}M parameters (before activations) would fit on the "
+                f"{device.label}.")
     options = []
     if chosen == "fp32" and device.capability >= (6, 0):
         half = "bf16" if device.bf16_tflops else "fp16"
