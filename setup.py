@@ -1,6 +1,9 @@
 """Builds hetcomm._C: the hetcomm operators for the CPU, plus CUDA when it can.
 
 Environment:
+  HETCOMM_BUILD_EXT=1|0   1 (default): build hetcomm._C; 0: build no extension at all, a
+                          pure-Python wheel (py3-none-any) whose ops run the PyTorch reference
+                          on CPU and the Triton kernels on CUDA (hetcomm warns about this on import).
   HETCOMM_CUDA=auto|1|0   auto (default): build the CUDA extension when torch is a CUDA
                           build and a CUDA toolkit is found; 1: the same, but fail instead
                           of falling back to a CPU-only build; 0: CPU only.
@@ -132,8 +135,18 @@ def make_extension():
                                        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, **kwargs)
 
 
+def make_ext_modules():
+    mode = os.environ.get("HETCOMM_BUILD_EXT", "1")
+    if mode not in ("1", "0"):
+        raise RuntimeError(f"HETCOMM_BUILD_EXT must be 1 or 0; got {mode!r}")
+    if mode == "0":
+        log("HETCOMM_BUILD_EXT=0: building no extension (a pure-Python install)")
+        return []
+    return [make_extension()]
+
+
 # Name, version and packages come from pyproject.toml.
 setup(
-    ext_modules=[make_extension()],
+    ext_modules=make_ext_modules(),
     cmdclass={"build_ext": ReleaseBuildExtension},
 )

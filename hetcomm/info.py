@@ -1,4 +1,5 @@
-"""What this installation of hetcomm can do: versions, built back ends, devices."""
+"""What this installation of hetcomm can do: compiled or pure Python, versions, built back
+ends, devices."""
 
 import importlib.util
 
@@ -9,7 +10,9 @@ from hetcomm._version import __version__
 from hetcomm.ops import get_backend
 
 OPS = ("pack", "pack.out", "unpack_", "unscale_", "cast_")
-DISPATCH_KEYS = ("CPU", "CUDA", "Meta")
+# CompositeExplicitAutograd: one kernel for any device; the fallback that names the missing
+# kernel (csrc/ops/no_kernel.cpp and its twin in _python_ops), and a pure-Python install's cast_.
+DISPATCH_KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd")
 
 
 def _kernels_by_op() -> dict[str, list[str]]:
@@ -55,9 +58,10 @@ def info() -> dict:
     return {
         "hetcomm": __version__,
         "torch": torch.__version__,
+        "install": "compiled" if _extension.COMPILED else "pure-python",
         "built_with_torch": _extension.BUILT_WITH_TORCH,
         "backends": {
-            "cpu": {"vector_isa": _extension.CPU_ISA},
+            "cpu": {"compiled": _extension.COMPILED, "vector_isa": _extension.CPU_ISA},
             "cuda": {"compiled": bool(_extension.CUDA_ARCHS), "cuda_version": _extension.CUDA_VERSION,
                      "archs": _extension.CUDA_ARCHS},
             "triton": _triton_backend(),

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hetcomm.triton import checks, multi_tensor
+from hetcomm import checks
+from hetcomm.triton import multi_tensor
 
 
 def _pack_into(src: Sequence[Tensor], scale: Tensor, out: Tensor) -> None:

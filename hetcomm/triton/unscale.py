@@ -6,7 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hetcomm.triton import checks, multi_tensor
+from hetcomm import checks
+from hetcomm.triton import multi_tensor
 
 
 @torch.library.custom_op("hetcomm_triton::unscale_", mutates_args=("tensors", "found_inf"),

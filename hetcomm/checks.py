@@ -1,9 +1,11 @@
-"""Argument validation for the Triton ops, with the messages of the C++ ops
-(csrc/ops/checks.cpp and plans.cpp), in the same order, so that a bad call fails the
-same way whichever back end runs it. Every check runs before anything is written.
+"""Argument validation for the ops written in Python (the Triton back end and the
+pure-Python install), with the messages of the C++ ops (csrc/ops/checks.cpp and
+plans.cpp), in the same order, so that a bad call fails the same way whichever back
+end runs it. Every check runs before anything is written.
 
-Plain Python with no Triton import: the fake kernels use it too (without the aliasing
-check, which needs real addresses).
+Plain Python with no Triton import and no compiled code, so a pure-Python install can
+use it; the fake kernels use it too (without the aliasing check, which needs real
+addresses).
 """
 
 from collections.abc import Sequence
@@ -131,3 +133,17 @@ def check_unscale(tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tenso
     if aliasing:
         check_no_overlap("unscale_", [("inv_scale", inv_scale, False), ("found_inf", found_inf, True)]
                          + _named("tensors", tensors, True))
+
+
+def check_cast(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    device = list_device("cast_", "src", src)
+    check_float_list("cast_", "src", src, device)
+    check_float_list("cast_", "dst", dst, device)
+    if len(src) != len(dst):
+        raise RuntimeError(f"hetcomm.cast_: src has {len(src)} tensors but dst has {len(dst)}; "
+                           f"expected lists of equal length")
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.shape != d.shape:
+            raise RuntimeError(f"hetcomm.cast_: src[{i}] has shape {list(s.shape)} but dst[{i}] has shape "
+                               f"{list(d.shape)}; expected equal shapes")
+    check_no_overlap("cast_", _named("src", src, False) + _named("dst", dst, True))
