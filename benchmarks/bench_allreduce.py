@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hetcomm
-from hetcomm.comm.buckets import FIRST_BUCKET_BYTES
+from hetcomm.comm.buckets import EDGE_BUCKET_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from distributed import free_port  # noqa: E402
@@ -79,7 +79,7 @@ class Bucket:
 def ddp_buckets(total):
     """DDP's flat fp32 bucket buffers, 1 MB first then 25 MB (as with
     gradient_as_bucket_view=True: no copy into the buckets, DDP's fastest setting)."""
-    bounds = [0, min(total, FIRST_BUCKET_BYTES // 4)]
+    bounds = [0, min(total, EDGE_BUCKET_BYTES // 4)]
     while bounds[-1] < total:
         bounds.append(min(total, bounds[-1] + BUCKET_BYTES // 4))
     return [Bucket(torch.randn(end - start), i) for i, (start, end) in enumerate(zip(bounds, bounds[1:]))]

@@ -1,44 +1,108 @@
-"""Cutting a parameter list into buckets for the all-reduce."""
+"""Cutting a parameter list into buckets for the all-reduce, at exact byte counts.
 
+The gradients are taken in reverse order, like DDP (backward produces the last layers'
+gradients first), as one stream of bytes per device, and cut into buckets of a planned
+size regardless of where one parameter ends and the next begins: a parameter may span
+two or more buckets, each holding a contiguous range of its flattened gradient. So the
+sizes are what the pipeline wants, not what the layer shapes allow:
+
+- the first bucket is small (1 MB): packing it is quick, so the wire starts early;
+- the middle ones are equal shares of the rest, at most the cap each;
+- the last one is small again: its unpack (unscale, overflow check, norm) is the only
+  one that no later all-reduce hides, so a short one ends the step sooner.
+"""
+
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
+# The first and the last bucket: big enough that sending the first covers packing the
+# next, small enough to start the wire early and to end the step with a short unpack.
+EDGE_BUCKET_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of one parameter's flattened gradient."""
+
+    param: torch.nn.Parameter
+    start: int
+    stop: int
+
+    def grad(self) -> Tensor:
+        """The range of the parameter's (contiguous) gradient, as a view that writes through."""
+        grad = self.param.grad
+        if self.start == 0 and self.stop == self.param.numel():
+            return grad
+        return grad.view(-1)[self.start:self.stop]
+
 
 @dataclass
 class Bucket:
-    """Parameters reduced by one all-reduce, and the wire buffer it reuses each step."""
+    """Gradient ranges reduced by one all-reduce, and the wire buffer it reuses each step."""
 
-    params: list[torch.nn.Parameter]
+    segments: list[Segment]
     numel: int
     wire: Tensor | None = field(default=None, repr=False)
 
+    @cached_property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The distinct parameters with a range here, in bucket order."""
+        return list({id(s.param): s.param for s in self.segments}.values())
 
-# Like DDP: a small first bucket gets the wire busy early.
-FIRST_BUCKET_BYTES = 2**20
+    def grads(self) -> list[Tensor]:
+        return [s.grad() for s in self.segments]
+
+
+def bucket_budgets(total_bytes: int, cap_bytes: int) -> list[int]:
+    """The planned byte size of each bucket: small first and last, equal shares of at
+    most cap_bytes between them."""
+    edge = min(EDGE_BUCKET_BYTES, cap_bytes)
+    if total_bytes <= edge:
+        return [total_bytes]
+    if total_bytes <= 2 * edge:
+        return [edge, total_bytes - edge]
+    middle = total_bytes - 2 * edge
+    count = math.ceil(middle / cap_bytes)
+    share, extra = divmod(middle, count)
+    return [edge] + [share + 1] * extra + [share] * (count - extra) + [edge]
+
+
+def _cut(params: list[torch.nn.Parameter], cap_bytes: int) -> list[Bucket]:
+    """Buckets for parameters of one device, already in reverse order."""
+    budgets = bucket_budgets(sum(p.numel() * p.element_size() for p in params), cap_bytes)
+    buckets: list[Bucket] = []
+    segments: list[Segment] = []
+    room = budgets[0]
+    for p in params:
+        start, size = 0, p.element_size()
+        while start < p.numel():
+            # At least one element, so a bucket always advances; at most what fills it.
+            take = min(p.numel() - start, max(1, room // size))
+            segments.append(Segment(p, start, start + take))
+            start += take
+            room -= take * size
+            if room <= 0 and len(buckets) + 1 < len(budgets):
+                buckets.append(Bucket(segments, sum(s.stop - s.start for s in segments)))
+                segments, room = [], budgets[len(buckets)]
+    if segments:
+        buckets.append(Bucket(segments, sum(s.stop - s.start for s in segments)))
+    return buckets
 
 
 def make_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[Bucket]:
-    """Groups parameters into buckets of at most `cap_bytes` of gradient (a larger
-    parameter gets a bucket of its own), in reverse order like DDP: backward produces
-    the last layers' gradients first. The first bucket closes as soon as it holds 1 MB
-    (or the cap): big enough that sending it covers the packing of the next one, small
-    enough to start the wire early. Parameters on different devices never share a bucket."""
+    """The buckets of `params`, in the order they are reduced (see the module
+    docstring). Parameters on different devices never share a bucket."""
     buckets: list[Bucket] = []
-    current: list[torch.nn.Parameter] = []
-    current_bytes = 0
+    run: list[torch.nn.Parameter] = []
     for p in reversed(params):
-        size = p.numel() * p.element_size()
-        if buckets:
-            full = current_bytes + size > cap_bytes
-        else:
-            full = current_bytes >= min(cap_bytes, FIRST_BUCKET_BYTES)
-        if current and (full or p.device != current[0].device):
-            buckets.append(Bucket(current, sum(q.numel() for q in current)))
-            current, current_bytes = [], 0
-        current.append(p)
-        current_bytes += size
-    if current:
-        buckets.append(Bucket(current, sum(q.numel() for q in current)))
+        if run and p.device != run[0].device:
+            buckets += _cut(run, cap_bytes)
+            run = []
+        run.append(p)
+    if run:
+        buckets += _cut(run, cap_bytes)
     return buckets

@@ -80,7 +80,8 @@ class WeightedReducer:
         process_group: the group to reduce over (default: the world).
         wire_dtype: float32, float16 or bfloat16 (not on Gloo). A 16-bit wire halves the bytes;
             use a loss scale with float16 so small gradients do not underflow.
-        bucket_cap_mb: gradient megabytes per all-reduce (the first closes once it holds 1 MB).
+        bucket_cap_mb: gradient megabytes per all-reduce at most; the first and the last hold 1 MB
+            (see hetcomm.comm.buckets: buckets are cut at exact byte counts, across parameters).
         overlap: launch buckets from gradient hooks during backward.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
@@ -110,10 +111,13 @@ class WeightedReducer:
         self._next_launch = 0
         self._hooks = []
         if overlap:
+            # A parameter may span several buckets; its hook marks it ready in each.
+            holders: dict[int, list[int]] = {}
             for index, bucket in enumerate(self.buckets):
                 for p in bucket.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        functools.partial(self._grad_ready, index)))
+                    holders.setdefault(id(p), []).append(index)
+            self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, holders[id(p)]))
+                           for p in self.params]
 
     def reduce(self, weight: float | None = None, *, count: float | None = None,
                loss_scale: float | Tensor | None = None) -> ReduceResult:
@@ -206,7 +210,7 @@ class WeightedReducer:
 
     def _wire(self, bucket: Bucket) -> Tensor:
         if bucket.wire is None:
-            bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.params[0].device)
+            bucket.wire = torch.empty(bucket.numel, dtype=self.wire_dtype, device=bucket.segments[0].param.device)
         return bucket.wire
 
     def finish(self) -> ReduceResult:
@@ -230,8 +234,7 @@ class WeightedReducer:
         flags_work = launch_all_reduce(flags, self.group) if users is None else None
         for index, (bucket, work) in enumerate(zip(self.buckets, step.works)):
             wait(work, self.timeout, f"{self.who}: the all-reduce of bucket {index}")
-            ops.unpack_(bucket.wire, [p.grad for p in bucket.params], step.inv_loss_scale, step.found_inf,
-                        step.sq_norm)
+            ops.unpack_(bucket.wire, bucket.grads(), step.inv_loss_scale, step.found_inf, step.sq_norm)
         if flags_work is not None:
             wait(flags_work, self.timeout, f"{self.who}: the agreement on unused parameters")
             users = flags.tolist()
@@ -248,31 +251,32 @@ class WeightedReducer:
             handle.remove()
         self._hooks = []
 
-    def _grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        """Gradient hook: marks `param` final and launches every bucket, in order, whose
-        gradients are all final. Hooks outside begin()..finish() (earlier micro-batches
-        of an accumulation) are ignored."""
+    def _grad_ready(self, indices: list[int], param: torch.nn.Parameter) -> None:
+        """Gradient hook: marks `param` final in the buckets that hold it and launches
+        every bucket, in order, whose gradients are all final. Hooks outside
+        begin()..finish() (earlier micro-batches of an accumulation) are ignored."""
         step = self._step
         if step is None:
             return
-        if index < self._next_launch:
-            raise RuntimeError(f"{self.who}: a gradient of bucket {index} changed after the bucket was sent; "
+        if indices[0] < self._next_launch:
+            raise RuntimeError(f"{self.who}: a gradient of bucket {indices[0]} changed after the bucket was sent; "
                                f"call begin() before the backward of the step's last micro-batch only")
-        step.ready[index].add(id(param))
+        for index in indices:
+            step.ready[index].add(id(param))
         while (self._next_launch < len(self.buckets)
                and len(step.ready[self._next_launch]) == len(self.buckets[self._next_launch].params)):
             self._launch_next(step)
 
     def _launch_next(self, step: _Step) -> None:
         bucket = self.buckets[self._next_launch]
-        grads = []
         for p in bucket.params:
-            # Zeros for a gradient this rank did not produce; contiguous for the kernels.
+            # Zeros for a gradient this rank did not produce; contiguous for the kernels and
+            # for the ranges of it that buckets take. A parameter spanning buckets is made
+            # so in the first of them, before any range of it is read.
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
-            grads.append(p.grad)
-        ops.pack(grads, step.scale, out=self._wire(bucket))
+        ops.pack(bucket.grads(), step.scale, out=self._wire(bucket))
         step.works.append(launch_all_reduce(bucket.wire, self.group))
         self._next_launch += 1
