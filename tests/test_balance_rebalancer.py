@@ -54,8 +54,10 @@ def test_adopts_after_a_sustained_slowdown():
     rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
     decisions = simulate(rebalancer, lambda step: SPEEDS if step < 50 else slowed, steps=200, noise=0.05)
     changes = [step for step, d in enumerate(decisions) if d.changed]
-    assert changes and 50 < changes[0] <= 65
-    assert len(changes) <= 4
+    # The shift shows in the spike filter's median one step after it began; two steps of
+    # patience later the split changes, in one go: the estimate jumped to the new speed.
+    assert changes and 50 < changes[0] <= 53
+    assert len(changes) <= 2
     assert all(d.predicted_gain > d.required_gain >= 0.05 for d in decisions if d.changed)
     # Settled within the threshold of the best split for the new speeds.
     assert true_step_time(rebalancer.sizes, slowed) <= 1.05 * optimal_step_time(slowed)
@@ -94,11 +96,12 @@ def test_state_dict_resumes_the_same_decisions():
     expected = simulate(straight, slowed, steps=60, noise=0.05, seed=4)
 
     first = Rebalancer(GLOBAL_BATCH, BALANCED)
-    head = simulate(first, slowed, steps=25, noise=0.05, seed=4)
+    # Stopped one step after the slowdown: the change comes after the resume.
+    head = simulate(first, slowed, steps=21, noise=0.05, seed=4)
     resumed = Rebalancer(GLOBAL_BATCH, BALANCED)
     resumed.load_state_dict(first.state_dict())
-    tail = simulate(resumed, slowed, steps=35, noise=0.05, seed=4, start=25)
-    assert any(d.changed for d in expected[25:])
+    tail = simulate(resumed, slowed, steps=39, noise=0.05, seed=4, start=21)
+    assert any(d.changed for d in expected[21:]) and not any(d.changed for d in expected[:21])
     assert head + tail == expected
 
 

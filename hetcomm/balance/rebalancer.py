@@ -16,6 +16,9 @@ plus a noise margin: twice the largest relative standard error of a rank's estim
 sqrt(v_i·α/(2−α)) for an average with weight α over measurements whose squared
 relative deviation averages v_i. So on a quiet cluster the threshold alone decides,
 and on a noisy one (CPU processes sharing cores) a gain must stand out of the noise.
+A level shift — the filtered measurement at least 25% and four of the rank's own
+standard deviations away from its estimate, as when a card starts throttling — makes
+the estimate jump to the measurement instead of averaging towards it over many steps.
 It must do so on `patience` consecutive steps, and after a change no other change
 happens for `cooldown` steps (the new split's measurements have to come in first).
 """
@@ -31,6 +34,11 @@ SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
 # What training uses (the trainer, and the planner's simulation of it): a run should
 # follow a throttling card within a few steps; the noise margin keeps it from chasing noise.
 TRAINING_SETTINGS = {"patience": 2, "cooldown": 3}
+# A level shift: a spike-filtered measurement this far from the estimate (at least 25%,
+# and at least SHIFT_SIGMAS of the rank's own noise) means the card's speed changed; the
+# estimate jumps to it instead of averaging its way there over many steps.
+SHIFT_MIN_LOG = math.log(1.25)
+SHIFT_SIGMAS = 4.0
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,11 @@ class Rebalancer:
             speed = statistics.median(recent)
             if len(recent) > 1:
                 deviation = math.log(speed / self.speeds[i]) ** 2
-                self.variances[i] = (1 - self.smoothing) * self.variances[i] + self.smoothing * deviation
-                speed = (1 - self.smoothing) * self.speeds[i] + self.smoothing * speed
+                shifted = len(recent) == SPIKE_FILTER and deviation > max(SHIFT_MIN_LOG**2,
+                                                                         SHIFT_SIGMAS**2 * self.variances[i])
+                if not shifted:
+                    self.variances[i] = (1 - self.smoothing) * self.variances[i] + self.smoothing * deviation
+                    speed = (1 - self.smoothing) * self.speeds[i] + self.smoothing * speed
             self.speeds[i] = speed
         self.steps_since_change += 1
 
