@@ -77,6 +77,16 @@ def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
         assert result["type"] == "ValueError" and "rank 1 cannot hold one window of 16 tokens" in result["message"]
 
 
+def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
+    config = tiny_config(tmp_path, speeds="1,0.2", equal_steps=0, steps=2, global_batch=16)
+    values(run_ranks(2, train, config, tmp_path=tmp_path))
+    steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
+    first = steps[0]["micro_batch"]
+    assert sum(first) == 16 and first[0] > 2 * first[1]   # rank 1 runs at a fifth of the speed
+    assert steps[0]["phase"] == "balanced"
+    assert json.loads((Path(config.out) / "run.json").read_text())["probe_s"] > 0
+
+
 def interrupted_then_resumed(rank, world, config):
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     trainer.run(until=3)

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.amp import DynamicLossScaler, autocast_dtype
-from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, probe_memory, solve_split
+from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, fit_step_time,
+                             probe_memory, solve_split)
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.train.checkpoint import load_checked, save_atomic
@@ -117,21 +118,60 @@ class Trainer:
         self.speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown))
         self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
         start_split = self.fixed_split or equal_split(config.global_batch, world)
+        self.probe_seconds = 0.0
+        probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 and not config.resume
+        profiles = None
+        if probing:
+            profiles = self._probe_profiles()
+            start_split = solve_split(config.global_batch, profiles, self.caps).sizes
         self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
-        self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
+        self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, profiles,
+                                                           memory_caps=self.caps,
                                                            threshold=config.rebalance_threshold,
                                                            **TRAINING_SETTINGS))
         self.split = start_split
         self.step = 0
         self.description = run_description(config, world, data_description, len(self.data))
-        self.phases = [Phase("fixed split" if self.fixed_split else "equal split")]
+        first_phase = "fixed split" if self.fixed_split else "equal split" if not probing else \
+            "balanced" if config.balance == "dynamic" else "static split"
+        self.phases = [Phase(first_phase)]
         if config.resume:
             self._resume(config.resume)
         ranks = self._describe_ranks()
         self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
                                        "vocab_size": self.data.vocab_size, "ranks": ranks,
-                                       "memory_caps": self.caps,
+                                       "memory_caps": self.caps, "probe_s": self.probe_seconds,
                                        "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
+
+    def _probe_profiles(self) -> list[tuple[float, float]]:
+        """Every rank's step-time line t = a + c·b, for the first split when there is no
+        equal-split phase (--equal-steps 0): each rank times forward and backward at two
+        micro-batch sizes (an eighth and a quarter of an equal share) at its (simulated)
+        speed, each after one untimed run that pays for allocation, and fits the line
+        (a slope lost in noise leaves the larger size's throughput). FastSpeed's one
+        profile, plus the fixed cost that makes a slow card's small share expensive,
+        without running a whole step at the slowest rank's pace. The rebalancer keeps
+        the lines' shape and learns each rank's speed from the first step on."""
+        start = time.perf_counter()
+        share = self.config.global_batch // self.world
+        sizes = sorted({max(1, share // 8), max(2, share // 4)})
+        for size in sizes:
+            self._compute([i % len(self.data) for i in range(size)], scale=1.0)
+        samples = []
+        for size in sizes:
+            timed = time.perf_counter()
+            self._compute([i % len(self.data) for i in range(size)], scale=1.0)
+            self.speed.stretch(0, time.perf_counter() - timed)
+            samples.append((size, time.perf_counter() - timed))
+        self.model.zero_grad(set_to_none=True)
+        try:
+            mine = tuple(fit_step_time(samples))
+        except ValueError:
+            mine = (0.0, samples[-1][1] / samples[-1][0])
+        profiles: list = [None] * self.world
+        dist.all_gather_object(profiles, mine)
+        self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank included
+        return profiles
 
     def _probe_caps(self) -> list[int | None] | None:
         """Each rank's largest micro-batch, found by running the real step at growing
@@ -319,7 +359,8 @@ class Trainer:
         ideal = batch / sum(throughputs)
         equal = max(b / s for b, s in zip(equal_split(batch, self.world), throughputs))
         phases = {p.name: {"steps": len(p.step_seconds), "median_step_s": p.median()} for p in self.phases}
-        return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "phases": phases,
+        return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "probe_s": self.probe_seconds,
+                "phases": phases,
                 "final_split": list(self.split),
                 "estimated_samples_per_second": throughputs,
                 "ideal_step_s": ideal, "equal_split_step_s_predicted": equal}
