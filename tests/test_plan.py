@@ -335,3 +335,15 @@ def test_expected_slowest_rank_under_jitter():
     assert expected_slowest([2.0], [0.2]) == pytest.approx(2 * math.exp(0.02), rel=0.01)
     # Two equal ranks: E[max] = t·E[exp(σ·max(z1, z2))] > the single-rank mean.
     assert expected_slowest([2.0, 2.0], [0.2, 0.2]) > 2 * math.exp(0.02) * 1.05
+
+
+def test_command_line_with_a_profile(tmp_path, capsys):
+    lines_ab = [(0.01, 0.02), (0.02, 0.05)]
+    write_run(tmp_path / "run", [CPU] * 2, synthetic_steps(lines_ab, [(6, 6), (8, 4), (7, 5)], 0.03, (0.004, 0.004)))
+    code, out = run_cli(capsys, "--profile", str(tmp_path / "run"))
+    assert code == 0 and "every device measured in" in out and "a SIMULATED cluster" in out
+    code, out = run_cli(capsys, "--profile", str(tmp_path / "run"), "--cluster", "2xt4")
+    assert "ran no GPU of these kinds; every figure is from specifications" in out
+    with pytest.raises(SystemExit):
+        main(["--profile", str(tmp_path / "run"), "--seq", "64"])
+    assert "--model and --seq change what the run measured" in capsys.readouterr().err

@@ -63,8 +63,14 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
              f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; all-reduce paced by "
              f"{plan.link.label} ({plan.link.bandwidth_gbs:.2f} GB/s, {plan.link.latency_us:g} us)"]
     if profile:
-        lines.append(f"  calibrated by {profile.path} ({profile.steps} steps"
-                     + (", a SIMULATED cluster" if profile.simulated else "") + ")")
+        calibrated = sorted({m.label for m in plan.members if m.source != "specification"})
+        if not calibrated:
+            lines.append(f"  NOTE: {profile.path} ran no GPU of these kinds; every figure is from specifications")
+        else:
+            what = "every device measured in" if plan.members[0].source == "measured" else \
+                f"efficiency of {', '.join(calibrated)} calibrated by"
+            lines.append(f"  {what} {profile.path} ({profile.steps} steps"
+                         + (", a SIMULATED cluster" if profile.simulated else "") + ")")
     lines.append("")
     header = (f"  {'devices':<34} {'mach':>4} {'prec':>5} {'samples':>8} {'micro':>6} {'accum':>5} "
               f"{'memory GiB':>14} {'compute':>10} {'tok/s':>9}")
@@ -96,8 +102,9 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
                      f"({slow.faster:.1%} faster)")
     for item in plan.left_out:
         lines.append(f"  left out: {item.member.label} (machine {item.member.node}): {item.reason}")
-    lines.append(f"  (planned in {planning_seconds:.3f} s; figures from public peak specifications times an "
-                 f"efficiency unless calibrated)" if not profile else f"  (planned in {planning_seconds:.3f} s)")
+    measured_only = all(m.source == "measured" for m in plan.members)
+    lines.append(f"  (planned in {planning_seconds:.3f} s" + ("" if measured_only else
+                 "; figures from public peak specifications times an efficiency unless calibrated") + ")")
     return "\n".join(lines)
 
 
