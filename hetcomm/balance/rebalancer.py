@@ -16,9 +16,10 @@ plus a noise margin: twice the largest relative standard error of a rank's estim
 sqrt(v_i·α/(2−α)) for an average with weight α over measurements whose squared
 relative deviation averages v_i. So on a quiet cluster the threshold alone decides,
 and on a noisy one (CPU processes sharing cores) a gain must stand out of the noise.
-A level shift — the filtered measurement at least 25% and four of the rank's own
-standard deviations away from its estimate, as when a card starts throttling — makes
-the estimate jump to the measurement instead of averaging towards it over many steps.
+A level shift — three measurements in a row at least 25% and four of the rank's own
+standard deviations away from its estimate on the same side, as when a card starts
+throttling — makes the estimate jump to their median instead of averaging towards it
+over many steps.
 It must do so on `patience` consecutive steps, and after a change no other change
 happens for `cooldown` steps (the new split's measurements have to come in first).
 """
@@ -34,9 +35,10 @@ SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
 # What training uses (the trainer, and the planner's simulation of it): a run should
 # follow a throttling card within a few steps; the noise margin keeps it from chasing noise.
 TRAINING_SETTINGS = {"patience": 2, "cooldown": 3}
-# A level shift: a spike-filtered measurement this far from the estimate (at least 25%,
-# and at least SHIFT_SIGMAS of the rank's own noise) means the card's speed changed; the
-# estimate jumps to it instead of averaging its way there over many steps.
+# A level shift: the last SPIKE_FILTER measurements all this far from the estimate on
+# the same side (at least 25%, and at least SHIFT_SIGMAS of the rank's own noise) mean
+# the card's speed changed; the estimate jumps to their median instead of averaging its
+# way there over many steps.
 SHIFT_MIN_LOG = math.log(1.25)
 SHIFT_SIGMAS = 4.0
 
@@ -118,13 +120,30 @@ class Rebalancer:
             speed = statistics.median(recent)
             if len(recent) > 1:
                 deviation = math.log(speed / self.speeds[i]) ** 2
-                shifted = len(recent) == SPIKE_FILTER and deviation > max(SHIFT_MIN_LOG**2,
-                                                                         SHIFT_SIGMAS**2 * self.variances[i])
-                if not shifted:
+                if self._shifted(i):
+                    pass  # the estimate jumps to the median
+                elif deviation > self._shift_bound(i) ** 2:
+                    # A shift in the making, or a spike the median let through: neither the
+                    # estimate nor the noise level moves until the next steps tell which.
+                    speed = self.speeds[i]
+                else:
                     self.variances[i] = (1 - self.smoothing) * self.variances[i] + self.smoothing * deviation
                     speed = (1 - self.smoothing) * self.speeds[i] + self.smoothing * speed
             self.speeds[i] = speed
         self.steps_since_change += 1
+
+    def _shift_bound(self, rank: int) -> float:
+        return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
+
+    def _shifted(self, rank: int) -> bool:
+        """Whether rank's last SPIKE_FILTER measurements all lie beyond the shift bound,
+        on the same side of its estimate."""
+        recent = self.recent[rank]
+        if len(recent) < SPIKE_FILTER:
+            return False
+        bound = self._shift_bound(rank)
+        logs = [math.log(r / self.speeds[rank]) for r in recent]
+        return all(x > bound for x in logs) or all(x < -bound for x in logs)
 
     def required_gain(self) -> float:
         """The threshold plus twice the largest relative standard error of an estimate."""

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.amp import DynamicLossScaler, autocast_dtype
-from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, fit_step_time,
-                             probe_memory, solve_split)
+from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, probe_memory, solve_split
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.train.checkpoint import load_checked, save_atomic
@@ -120,13 +119,10 @@ class Trainer:
         start_split = self.fixed_split or equal_split(config.global_batch, world)
         self.probe_seconds = 0.0
         probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 and not config.resume
-        profiles = None
         if probing:
-            profiles = self._probe_profiles()
-            start_split = solve_split(config.global_batch, profiles, self.caps).sizes
+            start_split = self._probe_split()
         self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
-        self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, profiles,
-                                                           memory_caps=self.caps,
+        self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
                                                            threshold=config.rebalance_threshold,
                                                            **TRAINING_SETTINGS))
         self.split = start_split
@@ -143,35 +139,26 @@ class Trainer:
                                        "memory_caps": self.caps, "probe_s": self.probe_seconds,
                                        "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
 
-    def _probe_profiles(self) -> list[tuple[float, float]]:
-        """Every rank's step-time line t = a + c·b, for the first split when there is no
-        equal-split phase (--equal-steps 0): each rank times forward and backward at two
-        micro-batch sizes (an eighth and a quarter of an equal share) at its (simulated)
-        speed, each after one untimed run that pays for allocation, and fits the line
-        (a slope lost in noise leaves the larger size's throughput). FastSpeed's one
-        profile, plus the fixed cost that makes a slow card's small share expensive,
-        without running a whole step at the slowest rank's pace. The rebalancer keeps
-        the lines' shape and learns each rank's speed from the first step on."""
+    def _probe_split(self) -> tuple[int, ...]:
+        """The first split when there is no equal-split phase (--equal-steps 0): every rank
+        times forward and backward of a quarter of an equal share at its (simulated)
+        speed, after one untimed run of the same that pays for allocation, and the global
+        batch is split by the measured throughputs within the memory caps (FastSpeed's
+        one profile, without running a whole step at the slowest rank's pace). The
+        rebalancer refines it from the first step on, measuring at the sizes it gives."""
         start = time.perf_counter()
-        share = self.config.global_batch // self.world
-        sizes = sorted({max(1, share // 8), max(2, share // 4)})
-        for size in sizes:
-            self._compute([i % len(self.data) for i in range(size)], scale=1.0)
-        samples = []
-        for size in sizes:
-            timed = time.perf_counter()
-            self._compute([i % len(self.data) for i in range(size)], scale=1.0)
-            self.speed.stretch(0, time.perf_counter() - timed)
-            samples.append((size, time.perf_counter() - timed))
+        size = max(1, self.config.global_batch // self.world // 4)
+        windows = [i % len(self.data) for i in range(size)]
+        self._compute(windows, scale=1.0)
+        timed = time.perf_counter()
+        self._compute(windows, scale=1.0)
+        self.speed.stretch(0, time.perf_counter() - timed)
+        seconds = time.perf_counter() - timed
         self.model.zero_grad(set_to_none=True)
-        try:
-            mine = tuple(fit_step_time(samples))
-        except ValueError:
-            mine = (0.0, samples[-1][1] / samples[-1][0])
-        profiles: list = [None] * self.world
-        dist.all_gather_object(profiles, mine)
+        times: list[float] = [0.0] * self.world
+        dist.all_gather_object(times, seconds)
         self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank included
-        return profiles
+        return solve_split(self.config.global_batch, [(0.0, t / size) for t in times], self.caps).sizes
 
     def _probe_caps(self) -> list[int | None] | None:
         """Each rank's largest micro-batch, found by running the real step at growing
