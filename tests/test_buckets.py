@@ -1,6 +1,6 @@
 """Buckets cut at exact byte counts: every gradient element in exactly one bucket, in
-reverse parameter order, sizes as planned (small first and last), parameters spanning
-buckets, devices never mixed."""
+reverse parameter order, sizes as planned (a small first one, equal shares after it),
+parameters spanning buckets, devices never mixed."""
 
 import pytest
 import torch
@@ -13,10 +13,9 @@ MB = 2**20
 @pytest.mark.parametrize("total, cap, expected", [
     (100, 25 * MB, [100]),
     (MB + 10, 25 * MB, [MB, 10]),
-    (2 * MB + 30, 25 * MB, [MB, 30, MB]),
-    (52 * MB, 25 * MB, [MB, 25 * MB, 25 * MB, MB]),
-    (52 * MB + 1, 25 * MB, [MB, 17476267, 17476267, 17476267, MB]),   # 50 MB + 1 in three equal shares
-    (10 * MB, MB // 2, [MB // 2] * 20),                                   # a cap under 1 MB caps the edges too
+    (51 * MB, 25 * MB, [MB, 25 * MB, 25 * MB]),
+    (51 * MB + 1, 25 * MB, [MB, 17476267, 17476267, 17476267]),   # 50 MB + 1 in three equal shares
+    (10 * MB, MB // 2, [MB // 2] * 20),                             # a cap under 1 MB caps the first too
 ])
 def test_budgets(total, cap, expected):
     assert bucket_budgets(total, cap) == expected
@@ -40,7 +39,7 @@ def test_every_element_once_in_reverse_order_and_sizes_as_planned():
     assert covered(buckets) == expected
     budgets = bucket_budgets(sum(p.numel() * 4 for p in params), cap)
     assert [b.numel * 4 for b in buckets] == budgets    # fp32: every budget is a whole number of elements
-    assert buckets[0].numel * 4 == MB and buckets[-1].numel * 4 == MB
+    assert buckets[0].numel * 4 == MB and len({b.numel for b in buckets[1:]}) <= 2   # equal shares after the first
     spanning = [p for p in params if sum(any(q is p for q in b.params) for b in buckets) > 1]
     assert spanning, "a parameter larger than a bucket spans several"
 

@@ -80,8 +80,8 @@ class WeightedReducer:
         process_group: the group to reduce over (default: the world).
         wire_dtype: float32, float16 or bfloat16 (not on Gloo). A 16-bit wire halves the bytes;
             use a loss scale with float16 so small gradients do not underflow.
-        bucket_cap_mb: gradient megabytes per all-reduce at most; the first and the last hold 1 MB
-            (see hetcomm.comm.buckets: buckets are cut at exact byte counts, across parameters).
+        bucket_cap_mb: gradient megabytes per all-reduce at most; the first holds 1 MB, the others
+            equal shares (hetcomm.comm.buckets: cut at exact byte counts, across parameters).
         overlap: launch buckets from gradient hooks during backward.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
