@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hetcomm.balance import equal_split
 from hetcomm.plan import load_catalog, load_run_profile, make_plan, parse_cluster, parse_model, spec_members
 
 SCENARIOS = {"speeds 1,1,0.5,0.25": "1,1,0.5,0.25", "speeds 1,0.5,0.5,0.2": "1,0.5,0.5,0.2"}
@@ -55,7 +56,7 @@ def validate(name: str, speeds: str, steps: int, work: Path) -> dict:
     profile = load_run_profile(profile_dir)
     plan = make_plan(profile.members(), profile.model, profile.seq, profile.global_batch, in_node=profile.link,
                      between_nodes=profile.link, wire=profile.wire, find_slow_cards=False)
-    equal = tuple(_equal(profile.global_batch, len(profile.ranks)))
+    equal = equal_split(profile.global_batch, len(profile.ranks))
     planned_run = train(speeds, steps, runs / "planned", "--split", ",".join(map(str, plan.split.sizes)))
     equal_run = train(speeds, max(8, steps // 2), runs / "equal", "--split", ",".join(map(str, equal)))
     measured, measured_equal = median_step(planned_run), median_step(equal_run)
@@ -67,11 +68,6 @@ def validate(name: str, speeds: str, steps: int, work: Path) -> dict:
             "equal_split": list(equal), "predicted_equal_step_s": plan.equal_step_s,
             "measured_equal_step_s": measured_equal, "equal_error": plan.equal_step_s / measured_equal - 1,
             "predicted_speedup": plan.speedup_over_equal, "measured_speedup": measured_equal / measured}
-
-
-def _equal(global_batch: int, ranks: int) -> list[int]:
-    base, extra = divmod(global_batch, ranks)
-    return [base + (r < extra) for r in range(ranks)]
 
 
 def plan_large_cluster(repeats: int = 3) -> dict:

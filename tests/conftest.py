@@ -23,6 +23,20 @@ DEVICES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def no_user_device_files(monkeypatch):
+    """The planner's catalog reads $HETCOMM_DEVICES; tests see the built-in tables only."""
+    monkeypatch.delenv("HETCOMM_DEVICES", raising=False)
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    """The planner's built-in GPU and link database."""
+    from hetcomm.plan import load_catalog
+
+    return load_catalog()
+
+
 def gpt_parameter_shapes(n_layer: int = 12, d_model: int = 64, vocab: int = 512, block: int = 128):
     """Shapes of a small GPT's parameters, in module order (~150 tensors)."""
     shapes = [(vocab, d_model), (block, d_model)]

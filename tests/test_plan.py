@@ -9,22 +9,12 @@ import math
 import pytest
 
 from hetcomm.balance import solve_split
-from hetcomm.plan import load_catalog, load_run_profile, make_plan, parse_cluster, parse_model, simulate, spec_members
+from hetcomm.plan import load_run_profile, make_plan, parse_cluster, parse_model, simulate, spec_members
 from hetcomm.plan.cli import main
-from hetcomm.plan.cost import device_cost, ring_all_reduce
+from hetcomm.plan.cost import all_reduce_cost, device_cost
 from hetcomm.train.simulate import Slowdown
 
 GIB = 2**30
-
-
-@pytest.fixture(autouse=True)
-def no_user_files(monkeypatch):
-    monkeypatch.delenv("HETCOMM_DEVICES", raising=False)
-
-
-@pytest.fixture(scope="module")
-def catalog():
-    return load_catalog()
 
 
 def plan_for(catalog, cluster, model="gpt2-124m", seq=1024, global_batch=512, net="10gbe", intra="pcie3", **kwargs):
@@ -77,15 +67,15 @@ def test_device_cost_by_hand(catalog):
 
 def test_all_reduce_ring_and_tree(catalog):
     link = catalog.link("10Gbit/s@30us")            # 1.25 GB/s
-    small = ring_all_reduce(4, 10_000_000, 2, link)
+    small = all_reduce_cost(4, 10_000_000, 2, link)
     assert small.algorithm == "ring" and small.buckets == 2
     assert small.seconds == pytest.approx(2 * 3 / 4 * 2e7 / 1.25e9 + 2 * 2 * 3 * 30e-6)
     assert small.wire_bytes == pytest.approx(2 * 3 / 4 * 2e7)
     # Thousands of ranks: the ring's 2(N-1) latencies per bucket lose to the tree's 2·log2(N).
-    large = ring_all_reduce(10_000, 10_000_000, 2, link)
+    large = all_reduce_cost(10_000, 10_000_000, 2, link)
     assert large.algorithm == "tree"
     assert large.seconds == pytest.approx(2 * 2e7 / 1.25e9 + 2 * 2 * 14 * 30e-6)
-    assert ring_all_reduce(1, 10_000_000, 2, link).seconds == 0
+    assert all_reduce_cost(1, 10_000_000, 2, link).seconds == 0
 
 
 # --- plans ----------------------------------------------------------------------------

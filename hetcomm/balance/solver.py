@@ -233,12 +233,16 @@ class _Ranks:
     def equal_step_time(self) -> float:
         """The slowest rank's time under an equal split (the first B mod n ranks one more),
         run as it would have to be: accumulating micro-steps wherever a share exceeds a cap."""
-        ranks = len(self.fixed)
-        sizes = torch.full((ranks,), self.global_batch // ranks, dtype=torch.int64)
-        sizes[: self.global_batch % ranks] += 1
+        sizes = torch.tensor(equal_split(self.global_batch, len(self.fixed)), dtype=torch.int64)
         times = self.times(sizes, micro=self.caps.clamp(min=1, max=self.global_batch))
         times[(self.caps == 0) & (sizes > 0)] = math.inf
         return times.max().item()
+
+
+def equal_split(global_batch: int, ranks: int) -> tuple[int, ...]:
+    """The global batch split as evenly as integers allow: the first B mod n ranks one more."""
+    base, extra = divmod(global_batch, ranks)
+    return tuple(base + (r < extra) for r in range(ranks))
 
 
 def solve_split(global_batch: int, profiles: Sequence[StepTimeProfile | tuple[float, float]],

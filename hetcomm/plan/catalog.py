@@ -11,6 +11,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hetcomm.amp import PRECISIONS
+
 DEVICE_COLUMNS = ("name", "label", "aliases", "architecture", "capability", "fp32_tflops", "fp16_tflops",
                   "bf16_tflops", "tensor_cores", "memory_gib", "bandwidth_gbs")
 LINK_COLUMNS = ("name", "label", "aliases", "scope", "bandwidth_gbs", "latency_us")
@@ -47,8 +49,8 @@ class Device:
 
     def peak_tflops(self, precision: str) -> float:
         """Peak rate of the math that training in this precision runs on (fp32, fp16 or bf16)."""
-        if precision not in ("fp32", "fp16", "bf16"):
-            raise ValueError(f"precision {precision!r}: expected fp32, fp16 or bf16")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
         if precision == "bf16" and self.bf16_tflops is None:
             major, minor = self.capability
             raise ValueError(f"{self.name} ({self.label}) has no native bf16 (compute capability {major}.{minor}, "
@@ -101,12 +103,6 @@ class Catalog:
             return custom
         return self.links[_find(text, self._link_keys, self.links, "interconnect",
                                 "; or give a bandwidth, like 10Gbit/s or 1.2GB/s@30us")]
-
-    def device_names(self) -> list[str]:
-        return list(self.devices)
-
-    def link_names(self) -> list[str]:
-        return list(self.links)
 
 
 def load_catalog(extra_files: Sequence[str | os.PathLike] = ()) -> Catalog:

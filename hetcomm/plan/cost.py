@@ -113,7 +113,7 @@ class AllReduceCost:
     algorithm: str          # "ring" or "tree"
 
 
-def ring_all_reduce(ranks: int, parameters: int, wire_bytes: int, link: Link) -> AllReduceCost:
+def all_reduce_cost(ranks: int, parameters: int, wire_bytes: int, link: Link) -> AllReduceCost:
     """The faster of NCCL's two all-reduce algorithms for every gradient in wire_bytes
     per element, through the slowest link crossed (nccl-tests' cost model):
     ring: each rank sends 2(N-1)/N of the data, every bucket pays 2(N-1) latencies;

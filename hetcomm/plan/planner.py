@@ -11,24 +11,17 @@ that follow the slowest rank's compute:
     step = max_i t_i(b_i) + exposed all-reduce + update.
 """
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hetcomm.amp import PRECISIONS, precision_for_capability
-from hetcomm.balance import Split, solve_split
+from hetcomm.balance import Split, equal_split, predict_rank_times, solve_split
 from hetcomm.plan.catalog import Device, Link
 from hetcomm.plan.cluster import ClusterDevice
-from hetcomm.plan.cost import (
-    CONTEXT_BYTES,
-    AllReduceCost,
-    DeviceCost,
-    device_cost,
-    exposed_communication,
-    ring_all_reduce,
-)
+from hetcomm.plan.cost import (CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost, device_cost,
+                               exposed_communication)
 from hetcomm.plan.model_shape import ModelShape
 
 WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -176,19 +169,19 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
         raise ValueError(f"--global-batch {global_batch} is smaller than the {len(training)} devices that can train: "
                          f"every device takes at least one sample per step; use --global-batch {len(training)} or "
                          f"more, or fewer devices")
-    split = solve_split(global_batch, [(m.cost.fixed, m.cost.per_sample) for m in training],
-                        [m.cost.cap for m in training], "accumulate")
+    profiles, caps = [(m.cost.fixed, m.cost.per_sample) for m in training], [m.cost.cap for m in training]
+    split = solve_split(global_batch, profiles, caps, "accumulate")
     link = ring_link({m.node for m in training}, in_node, between_nodes)
-    all_reduce = ring_all_reduce(len(training), model.parameters(seq), WIRE_BYTES[wire], link)
+    all_reduce = all_reduce_cost(len(training), model.parameters(seq), WIRE_BYTES[wire], link)
     jitter = [m.jitter for m in training]
     compute = expected_slowest(split.rank_times, jitter)
-    equal_compute = expected_slowest(equal_rank_times(training, global_batch), jitter)
+    equal_times = predict_rank_times(equal_split(global_batch, len(training)), profiles, caps)
+    equal_compute = expected_slowest(equal_times, jitter)
     exposed = exposed_communication(all_reduce, BACKWARD_SHARE * compute, overlap)
     equal_exposed = exposed_communication(all_reduce, BACKWARD_SHARE * equal_compute, overlap)
     update = max(m.cost.update_seconds for m in training)
     fastest = min(training, key=lambda m: m.cost.per_sample)
-    cap = fastest.cost.cap or global_batch
-    alone = math.ceil(global_batch / cap) * fastest.cost.fixed + fastest.cost.per_sample * global_batch
+    alone = predict_rank_times([global_batch], [(fastest.cost.fixed, fastest.cost.per_sample)], [fastest.cost.cap])[0]
     plan = Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=overlap, link=link,
                 members=tuple(training), left_out=left_out, split=split, compute_s=compute, all_reduce=all_reduce,
                 exposed_comm_s=exposed, update_s=update, step_s=compute + exposed + update,
@@ -197,15 +190,6 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
     if not find_slow_cards:
         return plan
     return Plan(**{**plan.__dict__, "slow_cards": _slow_cards(plan, members, in_node, between_nodes)})
-
-
-def equal_rank_times(members: Sequence[Member], global_batch: int) -> list[float]:
-    """Each member's compute time under an equal split (the first B mod n one more),
-    accumulating wherever its share exceeds its cap."""
-    ranks = len(members)
-    sizes = [global_batch // ranks + (i < global_batch % ranks) for i in range(ranks)]
-    return [math.ceil(b / (m.cost.cap or global_batch)) * m.cost.fixed + m.cost.per_sample * b
-            for m, b in zip(members, sizes)]
 
 
 def expected_slowest(times: Sequence[float], jitter: Sequence[float]) -> float:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.amp import DynamicLossScaler, autocast_dtype
-from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, probe_memory, solve_split
+from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, probe_memory,
+                             solve_split)
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.train.checkpoint import load_checked, save_atomic
@@ -31,11 +32,6 @@ from hetcomm.train.data import TokenWindows, default_corpus, load_tokens
 from hetcomm.train.model import GPT, GPTConfig
 from hetcomm.train.runlog import RunLog
 from hetcomm.train.simulate import SimulatedSpeed, parse_slowdown, parse_speeds
-
-
-def equal_split(global_batch: int, ranks: int) -> tuple[int, ...]:
-    base, extra = divmod(global_batch, ranks)
-    return tuple(base + (r < extra) for r in range(ranks))
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
