@@ -1,9 +1,22 @@
 """Simulated heterogeneity for CPU runs (DESIGN.md): a rank with speed factor s waits
-after its compute so that its step takes 1/s of the real compute time, and a card may
-start throttling at some step (--slowdown RANK:STEP:FACTOR)."""
+after its compute so that the compute takes 1/s of the time it needed, and a card may
+start throttling at some step (--slowdown RANK:STEP:FACTOR).
+
+On CPU the time a compute "needed" is the CPU time the worker got for it, over its
+threads, not its wall time. The simulated ranks share one machine's cores, so a rank's
+wall time depends on which other ranks compute at the same moment, and the stretch
+multiplies that: a rank of speed 1/8 that waited 50 ms for a core would lose 400 ms.
+Its own CPU time is what it takes on cores of its own, as a card of its own would: the
+simulated speeds stay what they were set to whatever split the balancer picks. A GPU is
+a device of its own, and its compute is timed by the wall clock.
+"""
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from hetcomm.train.per_rank import parse_per_rank
 
@@ -39,6 +52,10 @@ def parse_slowdown(text: str, world_size: int) -> Slowdown:
     return slowdown
 
 
+def _cpu_seconds_per_thread() -> float:
+    return time.process_time() / torch.get_num_threads()
+
+
 @dataclass
 class SimulatedSpeed:
     """This rank's simulated speed over the run."""
@@ -46,6 +63,7 @@ class SimulatedSpeed:
     rank: int
     speed: float
     slowdowns: tuple[Slowdown, ...] = ()
+    device_type: str = "cpu"
 
     def factor(self, step: int) -> float:
         factor = self.speed
@@ -54,8 +72,15 @@ class SimulatedSpeed:
                 factor *= s.factor
         return factor
 
-    def stretch(self, step: int, real_seconds: float) -> None:
-        """Waits so that a compute phase of real_seconds takes real_seconds / factor."""
-        extra = real_seconds * (1.0 / self.factor(step) - 1.0)
-        if extra > 0:
-            time.sleep(extra)
+    @contextmanager
+    def compute(self, step: int) -> Iterator[None]:
+        """Around a compute phase of `step`: afterwards, waits until the phase has taken
+        the time it needed divided by the speed factor. A factor above 1 cannot make it
+        faster than it was."""
+        clock: Callable[[], float] = _cpu_seconds_per_thread if self.device_type == "cpu" else time.perf_counter
+        wall, needed = time.perf_counter(), clock()
+        yield
+        needed = clock() - needed
+        remaining = needed / self.factor(step) - (time.perf_counter() - wall)
+        if remaining > 0:
+            time.sleep(remaining)

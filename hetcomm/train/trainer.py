@@ -5,7 +5,7 @@ Per optimizer step, on every rank:
   1. draw this rank's windows from the sampler by the current split (b_i of B);
   2. forward/backward per micro-batch (several when b_i is over the rank's memory cap),
      the loss being the mean over the rank's target tokens times the loss scale;
-  3. (simulated clusters) wait so that the compute takes 1/speed of its real time;
+  3. (simulated clusters) wait so that the compute takes 1/speed of the time it needed;
   4. reduce: the gradient of the mean loss over all N target tokens, sum_i (n_i/N) g_i,
      with found_inf and the global norm (identical on every rank);
   5. unless found_inf: clip by that norm, AdamW step; update the one global loss scale;
@@ -110,7 +110,8 @@ class Trainer:
         self.caps = parse_caps(config.memory_caps, world) if config.memory_caps else self._probe_caps()
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
-        self.speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown))
+        self.speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown),
+                                    device.type)
         self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
         start_split = self.fixed_split or equal_split(config.global_batch, world)
         self.probe_seconds = 0.0
@@ -147,8 +148,8 @@ class Trainer:
         windows = [i % len(self.data) for i in range(size)]
         self._compute(windows, scale=1.0)
         timed = time.perf_counter()
-        self._compute(windows, scale=1.0)
-        self.speed.stretch(0, time.perf_counter() - timed)
+        with self.speed.compute(0):
+            self._compute(windows, scale=1.0)
         seconds = time.perf_counter() - timed
         self.model.zero_grad(set_to_none=True)
         times: list[float] = [0.0] * self.world
@@ -226,8 +227,8 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler else 1.0
         start = time.perf_counter()
-        loss_sum, tokens = self._compute(indices, scale)
-        self.speed.stretch(self.step, time.perf_counter() - start)
+        with self.speed.compute(self.step):
+            loss_sum, tokens = self._compute(indices, scale)
         compute = time.perf_counter() - start
 
         start = time.perf_counter()
