@@ -10,18 +10,24 @@ a = 0, c = 1 and s_i is plainly the rank's throughput in samples per second. Bef
 the average, each measurement is replaced by the median of the rank's last three: one
 stalled step (a page fault, a collector pause, a checkpoint write) then moves nothing.
 
-Four things keep the split from chasing noise. The predicted speed-up of the best
+Three things keep the split from chasing noise. The predicted speed-up of the best
 split over the current one must exceed `threshold` (5% by default, as in Cannikin)
 plus a noise margin: twice the largest relative standard error of a rank's estimate,
-sqrt(v_i·α/(2−α)) for an average with weight α over measurements whose squared
-relative deviation averages v_i. So on a quiet cluster the threshold alone decides,
+at most sqrt(v_i·α/(2−α)) for an average with weight α over measurements whose
+squared relative deviation averages v_i. So on a quiet cluster the threshold alone decides,
 and on a noisy one (CPU processes sharing cores) a gain must stand out of the noise.
-A level shift — three measurements in a row at least 25% and four of the rank's own
-standard deviations away from its estimate on the same side, as when a card starts
-throttling — makes the estimate jump to their median instead of averaging towards it
-over many steps.
 It must do so on `patience` consecutive steps, and after a change no other change
 happens for `cooldown` steps (the new split's measurements have to come in first).
+
+A level shift is handled apart, at once: a measurement at least 25% and five of the
+rank's own standard deviations away from its estimate (a card that starts throttling,
+or a stall) moves the estimate to it on trial, and the split follows on the next step
+if that gains more than the threshold, with no patience and no cool-down. The rank's
+next measurement settles the trial: still as far on the same side, the shift is real
+and the estimate stays at the two measurements' geometric mean; otherwise it was a
+stall, and the estimate (and with it the split) goes back. A throttling card so costs
+one slow step instead of several, and a stall two steps at a split that is off by
+the stall's share; a slow step costs far more than a slightly uneven one.
 """
 
 import math
@@ -32,15 +38,21 @@ from dataclasses import dataclass
 from hetcomm.balance.solver import predict_rank_times, solve_split
 
 SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
-# What training uses (the trainer, and the planner's simulation of it): a run should
-# follow a throttling card within a few steps; the noise margin keeps it from chasing noise.
+# What training uses (the trainer, and the planner's simulation of it): with level
+# shifts handled apart, the noise margin keeps the remaining changes from chasing noise.
 TRAINING_SETTINGS = {"patience": 2, "cooldown": 3}
-# A level shift: the last SPIKE_FILTER measurements all this far from the estimate on
-# the same side (at least 25%, and at least SHIFT_SIGMAS of the rank's own noise) mean
-# the card's speed changed; the estimate jumps to their median instead of averaging its
-# way there over many steps.
+# A level shift: a measurement this far from the estimate (at least 25%, and at least
+# SHIFT_SIGMAS of the rank's own noise) moves the estimate to it on trial. Five sigmas:
+# a rank measured every step must not see a false one in thousands of steps, although
+# its noise is itself estimated from a few dozen measurements.
 SHIFT_MIN_LOG = math.log(1.25)
-SHIFT_SIGMAS = 4.0
+SHIFT_SIGMAS = 5.0
+# A rank's noise (the variance of a measurement's log around the estimate) is assumed
+# to be 10% until measured; the assumption counts as PRIOR_WEIGHT measurements, and the
+# estimate then averages over about the last VARIANCE_MEMORY measurements.
+VARIANCE_PRIOR = 0.1 ** 2
+PRIOR_WEIGHT = 3
+VARIANCE_MEMORY = 20
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,10 @@ class Rebalancer:
         self.sizes: tuple[int, ...] = ()
         self.speeds = [1.0] * ranks          # s_i; 1 until the rank is first measured
         self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER raw speeds per rank
-        self.variances = [0.0] * ranks       # v_i: smoothed squared log-deviation of a measurement from s_i
+        self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
+        self.measured = [0] * ranks          # measurements folded into v_i
+        self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
+        self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.steps_since_change = 0
         self.streak = 0                      # consecutive decisions that found a gain above threshold
         self.adopt(sizes)
@@ -110,40 +125,43 @@ class Rebalancer:
         if len(compute_times) != len(self.sizes):
             raise ValueError(f"compute_times has {len(compute_times)} entries for {len(self.sizes)} ranks")
         predicted = predict_rank_times(self.sizes, self.profiles, self.memory_caps, self.policy)
+        self.shifted = False
         for i, (seconds, size) in enumerate(zip(compute_times, self.sizes)):
             if size == 0:
                 continue
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
                                  f"(rank {i} processed {size} samples)")
-            recent = self.recent[i] = (self.recent[i] + [predicted[i] / seconds])[-SPIKE_FILTER:]
-            speed = statistics.median(recent)
-            if len(recent) > 1:
-                deviation = math.log(speed / self.speeds[i]) ** 2
-                if self._shifted(i):
-                    pass  # the estimate jumps to the median
-                elif deviation > self._shift_bound(i) ** 2:
-                    # A shift in the making, or a spike the median let through: neither the
-                    # estimate nor the noise level moves until the next steps tell which.
-                    speed = self.speeds[i]
-                else:
-                    self.variances[i] = (1 - self.smoothing) * self.variances[i] + self.smoothing * deviation
-                    speed = (1 - self.smoothing) * self.speeds[i] + self.smoothing * speed
-            self.speeds[i] = speed
+            self._measure(i, predicted[i] / seconds)
         self.steps_since_change += 1
 
-    def _shift_bound(self, rank: int) -> float:
-        return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
+    def _measure(self, i: int, speed: float) -> None:
+        """Folds rank i's speed measured this step into its estimate."""
+        if self.trial_from[i] is not None:
+            before, jumped = self.trial_from[i], self.speeds[i]
+            self.trial_from[i], self.speeds[i] = None, before
+            if self._beyond_shift_bound(i, speed) and (speed > before) == (jumped > before):
+                self.speeds[i] = math.sqrt(jumped * speed)   # confirmed: the shift's two measurements
+                self.recent[i] = [jumped, speed]
+                return
+            self.shifted = True                              # a stall: back to the estimate from before
+        if self.recent[i] and self._beyond_shift_bound(i, speed):
+            self.trial_from[i], self.speeds[i], self.shifted = self.speeds[i], speed, True
+            return
+        recent = self.recent[i] = (self.recent[i] + [speed])[-SPIKE_FILTER:]
+        if len(recent) == 1:
+            self.speeds[i] = speed                           # the first measurement
+            return
+        # The noise of a single measurement, which is what the shift bound tests (the
+        # median's is smaller, so the noise margin built on it errs on the safe side).
+        self.measured[i] += 1
+        weight = 1 / min(self.measured[i] + PRIOR_WEIGHT, VARIANCE_MEMORY)
+        self.variances[i] = (1 - weight) * self.variances[i] + weight * math.log(speed / self.speeds[i]) ** 2
+        self.speeds[i] = (1 - self.smoothing) * self.speeds[i] + self.smoothing * statistics.median(recent)
 
-    def _shifted(self, rank: int) -> bool:
-        """Whether rank's last SPIKE_FILTER measurements all lie beyond the shift bound,
-        on the same side of its estimate."""
-        recent = self.recent[rank]
-        if len(recent) < SPIKE_FILTER:
-            return False
-        bound = self._shift_bound(rank)
-        logs = [math.log(r / self.speeds[rank]) for r in recent]
-        return all(x > bound for x in logs) or all(x < -bound for x in logs)
+    def _beyond_shift_bound(self, rank: int, speed: float) -> bool:
+        bound = max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
+        return abs(math.log(speed / self.speeds[rank])) > bound
 
     def required_gain(self) -> float:
         """The threshold plus twice the largest relative standard error of an estimate."""
@@ -153,12 +171,16 @@ class Rebalancer:
     def decide(self) -> RebalanceDecision:
         """Solves for the best split under the current estimates; proposes it when its
         predicted gain has beaten the required gain for `patience` consecutive steps
-        outside the cool-down. Does not adopt it: call adopt with the decision's sizes."""
+        outside the cool-down, or right after a level shift when it beats the threshold.
+        Does not adopt it: call adopt with the decision's sizes."""
         model = self.model()
         best = solve_split(self.global_batch, model, self.memory_caps, self.policy, min_per_rank=self.min_per_rank)
         current = max(predict_rank_times(self.sizes, model, self.memory_caps, self.policy))
-        gain, required = current / best.step_time - 1, self.required_gain()
-        if self.steps_since_change < self.cooldown or gain <= required:
+        gain = current / best.step_time - 1
+        required = self.threshold if self.shifted else self.required_gain()
+        if self.shifted and gain > required:
+            self.streak = self.patience
+        elif self.steps_since_change < self.cooldown or gain <= required:
             self.streak = 0
         else:
             self.streak += 1
@@ -189,8 +211,8 @@ class Rebalancer:
 
     def state_dict(self) -> dict:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
-                "variances": list(self.variances), "steps_since_change": self.steps_since_change,
-                "streak": self.streak}
+                "variances": list(self.variances), "measured": list(self.measured), "trial_from": list(self.trial_from), "shifted": self.shifted,
+                "steps_since_change": self.steps_since_change, "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["speeds"]) != len(self.sizes) or len(state["recent"]) != len(self.sizes):
@@ -200,4 +222,8 @@ class Rebalancer:
         self.speeds = [float(s) for s in state["speeds"]]
         self.recent = [[float(s) for s in r] for r in state["recent"]]
         self.variances = [float(v) for v in state["variances"]]
+        # States saved before level shifts were tried: no trial under way, the noise as measured.
+        self.measured = [int(n) for n in state.get("measured", [VARIANCE_MEMORY] * len(self.sizes))]
+        self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
+        self.shifted = bool(state.get("shifted", False))
         self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])
