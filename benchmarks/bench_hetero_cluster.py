@@ -7,12 +7,14 @@ time to train the same number of tokens on 4 CPU workers whose speeds relate as 
   (c) hetcomm's balancer: the same first split, then rebalancing while training,
 
 each once as is and once with rank 1 slowing to a quarter of its speed half-way (a
-card that starts throttling). Two bounds: the global batch over the sum of the ranks'
-median measured throughputs, per step, with no communication at all; and, per run,
-the same with each step's own measured throughputs (a split chosen with hindsight of
-every step's speeds, so a shared machine's slow spells slow the bound as well).
+card that starts throttling). The ideal bound: per step, the global batch over the sum
+of the ranks' median measured throughputs (in each regime, before and after the
+slowdown), with no communication and no update at all; once from the rebalancing
+run's throughputs (every rank busy all step: the one bound the strategies are compared
+against), and once from each run's own, since a shared machine's speed drifts between
+runs minutes apart.
 
-    python benchmarks/bench_hetero_cluster.py                 # ~8 minutes on 2 cores
+    python benchmarks/bench_hetero_cluster.py                 # ~9 minutes on 2 cores
     python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
 """
 
@@ -35,8 +37,9 @@ RELATIVE_SPEEDS = (1.0, 1.0, 0.5, 0.25)
 # cores; more than the machine has and they slow each other down in ways no real cluster
 # of separate cards does (4 ranks of speeds 1, 1, 0.5, 0.25 want 2.75 cores).
 CORE_SHARE = 0.75
-GLOBAL_BATCH = 64
-# Steps of about a second on 2 cores, so that the per-step collectives are a few percent of a step.
+GLOBAL_BATCH = 96
+# Steps of about a second on 2 cores, so that the per-step collectives (~5 ms each with 4 Gloo
+# processes on 2 cores) are a few percent of a step.
 MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch",
          str(GLOBAL_BATCH), "--equal-steps", "0"]
 STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "hetcomm rebalancing": "dynamic"}
@@ -58,17 +61,6 @@ def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:
     return {"steps": steps_log, "summary": json.loads((out / "summary.json").read_text())}
 
 
-def per_step_bound(steps_log: list[dict]) -> float:
-    """Sum over steps of B / sum_i s_i(step), s_i(step) being rank i's throughput measured
-    in that very step: the time a split chosen with hindsight of each step's speeds would
-    have taken, noise included (a shared machine's slow spells slow the bound too)."""
-    total = 0.0
-    for step in steps_log:
-        throughput = sum(s for s in step["samples_per_second"] if s > 0)
-        total += sum(step["micro_batch"]) / throughput
-    return total
-
-
 def ideal_seconds(steps_log: list[dict], slowdown_step: int | None) -> float:
     """Sum over steps of B / sum_i s_i, s_i being rank i's median measured throughput in
     its regime (before and after the slowdown), over all runs' steps given."""
@@ -87,7 +79,7 @@ def ideal_seconds(steps_log: list[dict], slowdown_step: int | None) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", help="also write the results here, with every run's step log")
     args = parser.parse_args()
     slowdown_step = args.steps // 2
     rows = []
@@ -100,30 +92,29 @@ def main():
                 # The quick timing that gives the first split (--equal-steps 0) counts as training time.
                 train_seconds = sum(s["step_s"] for s in result["steps"]) + result["summary"]["probe_s"]
                 results[label] = (train_seconds, time.perf_counter() - start, result)
-            # The bound uses the throughputs measured in the rebalancing run (every rank busy).
-            ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"],
-                                  slowdown_step if slowdown else None)
+            regime_start = slowdown_step if slowdown else None
+            ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start)
             equal_seconds = results["equal split"][0]
             for label, (seconds, wall, result) in results.items():
-                own_bound = per_step_bound(result["steps"])
+                own_ideal = ideal_seconds(result["steps"], regime_start)
                 rows.append({"scenario": scenario, "strategy": label, "train_seconds": seconds,
-                             "wall_seconds_with_startup": wall, "per_step_bound": own_bound,
+                             "wall_seconds_with_startup": wall, "own_ideal_seconds": own_ideal,
                              "reduction_vs_equal": 1 - seconds / equal_seconds, "over_ideal": seconds / ideal - 1,
-                             "over_per_step_bound": seconds / own_bound - 1})
+                             "over_own_ideal": seconds / own_ideal - 1, "steps": result["steps"]})
             rows.append({"scenario": scenario, "strategy": "ideal bound (median throughputs, no communication)",
                          "train_seconds": ideal, "reduction_vs_equal": 1 - ideal / equal_seconds, "over_ideal": 0.0,
-                         "over_per_step_bound": None})
+                         "over_own_ideal": None})
     tokens = args.steps * GLOBAL_BATCH * 128
     print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
           f"CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, scaled to "
           f"keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of {GLOBAL_BATCH} "
           f"windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step times; process "
           f"start-up excluded).\n")
-    print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its per-step "
-          "bound |")
+    print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
+          "ideal bound |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        own = f"{100 * r['over_per_step_bound']:+.0f}%" if r["over_per_step_bound"] is not None else "-"
+        own = f"{100 * r['over_own_ideal']:+.0f}%" if r["over_own_ideal"] is not None else "-"
         print(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | {100 * r['reduction_vs_equal']:.0f}% | "
               f"{100 * r['over_ideal']:+.0f}% | {own} |")
     if args.json:

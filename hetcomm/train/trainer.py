@@ -43,11 +43,14 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, norms)."""
+    """AdamW with weight decay on matrices only (not on biases, norms); the fused kernel
+    on CPU and CUDA (a third of the for-loop's time on CPU, one launch on GPUs)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
     return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95),
+                             fused=fused)
 
 
 def micro_batches(indices: list[int], cap: int | None) -> list[list[int]]:
@@ -232,7 +235,10 @@ class Trainer:
         compute = time.perf_counter() - start
 
         start = time.perf_counter()
-        result = self.reducer.reduce(count=tokens, loss_scale=scale)
+        # Every window's block_size targets carry loss, so N is the global batch's token
+        # count on every rank: passing the weight n_i / N, rather than n_i for the ranks to
+        # add up first, lets the agreement on the weights travel beside the buckets.
+        result = self.reducer.reduce(tokens / (config.global_batch * config.block_size), loss_scale=scale)
         found_inf = bool(result.found_inf.item())
         update_start = time.perf_counter()
         if not found_inf:
