@@ -108,15 +108,15 @@ def main():
     print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
           f"CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, scaled to "
           f"keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of {GLOBAL_BATCH} "
-          f"windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step times; process "
-          f"start-up excluded).\n")
+          f"windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step "
+          f"times; process start-up excluded).\n")
     print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
           "ideal bound |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         own = f"{100 * r['over_own_ideal']:+.0f}%" if r["over_own_ideal"] is not None else "-"
-        print(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | {100 * r['reduction_vs_equal']:.0f}% | "
-              f"{100 * r['over_ideal']:+.0f}% | {own} |")
+        print(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | "
+              f"{100 * r['reduction_vs_equal']:.0f}% | {100 * r['over_ideal']:+.0f}% | {own} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

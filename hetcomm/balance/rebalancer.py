@@ -213,7 +213,8 @@ class Rebalancer:
 
     def state_dict(self) -> dict:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
-                "variances": list(self.variances), "measured": list(self.measured), "trial_from": list(self.trial_from), "shifted": self.shifted,
+                "variances": list(self.variances), "measured": list(self.measured),
+                "trial_from": list(self.trial_from), "shifted": self.shifted,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
