@@ -47,6 +47,20 @@ def scenarios(rank, world, counts):
         model.fc2.bias.grad[0] = 1e6  # finite in fp32, overflows the fp16 wire
     out["overflow_found_inf"] = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE).found_inf.item()
 
+    # A 16-bit model with fp32 masters: the reduced gradient lands in the masters' grads.
+    half = TinyNet().half()
+    masters = [p.detach().float() for p in half.parameters()]
+    to_masters = hetcomm.WeightedReducer(half.parameters(), wire_dtype=torch.float16, master_params=masters)
+    local_backward(half, rank, counts, scale=LOSS_SCALE, use_side=(rank == 0))
+    local = grads_of(half)
+    to_masters.reduce(weight=n / total, loss_scale=LOSS_SCALE)
+    names = [name for name, _ in half.named_parameters()]
+    out["masters"] = (local, grads_of(half), {name: None if m.grad is None else m.grad.clone()
+                                                for name, m in zip(names, masters)})
+    out["bad_masters"] = [error_of(lambda bad=bad: hetcomm.WeightedReducer(half.parameters(), master_params=bad))
+                          for bad in (masters[:-1], [m.t() if m.dim() == 2 else m for m in masters],
+                                      masters[:2] + [None] + masters[3:])]
+
     # `side` is used only on rank 0; `never` nowhere.
     local_backward(model, rank, counts, use_side=(rank == 0))
     reducer.reduce(weight=n / total)
@@ -151,6 +165,36 @@ def test_parameters_without_gradients(ranks):
         assert_close_to_reference(grads, reference, 1e-6)
     for r in ranks[1:]:
         assert torch.equal(r["partly_used"]["side.weight"], ranks[0]["partly_used"]["side.weight"])
+
+
+def test_sixteen_bit_model_reduced_into_fp32_masters(ranks):
+    """The masters' grads hold sum_i w_i g_i / loss scale of the ranks' fp16 gradients (in
+    float64: within the fp16 wire's rounding); the fp16 gradients stay as backward left
+    them; `never`, used nowhere, keeps grad None in the masters too."""
+    weights = [n / sum(COUNTS) for n in COUNTS]
+    reference = {}
+    for name, g in ranks[0]["masters"][0].items():   # `side` has a gradient on rank 0 only: zeros elsewhere
+        if g is not None:
+            reference[name] = sum(w * r["masters"][0][name].double() for w, r in zip(weights, ranks)
+                                  if r["masters"][0][name] is not None) / LOSS_SCALE
+    bound = 2 * len(COUNTS) * 2.0 ** -11
+    for r in ranks:
+        local, after, master_grads = r["masters"]
+        assert master_grads["never.weight"] is None and master_grads["never.bias"] is None
+        assert all(g.dtype == torch.float32 for g in master_grads.values() if g is not None)
+        assert_close_to_reference(master_grads, reference, bound)
+        assert all(torch.equal(after[k], local[k]) for k in local if local[k] is not None)
+    for r in ranks[1:]:
+        assert all(torch.equal(r["masters"][2][k], ranks[0]["masters"][2][k]) for k in reference)
+
+
+def test_bad_master_params_name_the_argument(ranks):
+    count, shape, not_a_tensor = ranks[0]["bad_masters"]
+    assert count == ("ValueError", "hetcomm.WeightedReducer: master_params holds 8 tensors for 9 parameters that "
+                                   "require grad; expected one per parameter, in the same order")
+    assert "master_params[0] is (8, 16) torch.float32 on cpu; expected a contiguous float tensor of its " \
+           "parameter's shape (16, 8)" in shape[1]
+    assert "master_params[2] is NoneType" in not_a_tensor[1]
 
 
 def test_bad_weights_raise_the_same_error_on_every_rank(ranks):

@@ -14,6 +14,7 @@ sizes are what the pipeline wants, not what the layer shapes allow:
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -35,10 +36,14 @@ class Segment:
 
     def grad(self) -> Tensor:
         """The range of the parameter's (contiguous) gradient, as a view that writes through."""
-        grad = self.param.grad
-        if self.start == 0 and self.stop == self.param.numel():
-            return grad
-        return grad.view(-1)[self.start:self.stop]
+        return self.range_of(self.param.grad)
+
+    def range_of(self, tensor: Tensor) -> Tensor:
+        """The range of `tensor`, contiguous and of the parameter's size (its gradient, or
+        its master copy's), as a view that writes through."""
+        if self.start == 0 and self.stop == tensor.numel():
+            return tensor
+        return tensor.view(-1)[self.start:self.stop]
 
 
 @dataclass
@@ -54,8 +59,12 @@ class Bucket:
         """The distinct parameters with a range here, in bucket order."""
         return list({id(s.param): s.param for s in self.segments}.values())
 
-    def grads(self) -> list[Tensor]:
-        return [s.grad() for s in self.segments]
+    def grads(self, masters: Mapping[int, Tensor] | None = None) -> list[Tensor]:
+        """The ranges of the parameters' gradients; with `masters` (a tensor standing in
+        for each parameter, by the parameter's id), of the masters' gradients instead."""
+        if masters is None:
+            return [s.grad() for s in self.segments]
+        return [s.range_of(masters[id(s.param)].grad) for s in self.segments]
 
 
 def bucket_budgets(total_bytes: int, cap_bytes: int) -> list[int]:

@@ -83,6 +83,10 @@ class WeightedReducer:
         bucket_cap_mb: gradient megabytes per all-reduce at most; the first holds 1 MB, the others
             equal shares (hetcomm.comm.buckets: cut at exact byte counts, across parameters).
         overlap: launch buckets from gradient hooks during backward.
+        master_params: fp32 copies of the parameters that require grad (same order and shapes;
+            the optimizer's), for a model that computes in 16-bit: the reduced gradient is
+            unpacked into the masters' .grad, where the unscaled values keep fp32's range and
+            precision; the 16-bit parameters' own gradients keep their local values.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
     """
@@ -91,7 +95,7 @@ class WeightedReducer:
 
     def __init__(self, params: Iterable[torch.nn.Parameter], process_group=None,
                  wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0, overlap: bool = False,
-                 timeout: timedelta | None = None):
+                 timeout: timedelta | None = None, master_params: Iterable[Tensor] | None = None):
         if not dist.is_initialized():
             raise RuntimeError(f"{self.who}: torch.distributed is not initialised; call "
                                f"dist.init_process_group first (torchrun sets up its environment)")
@@ -106,6 +110,7 @@ class WeightedReducer:
         self.wire_dtype = wire_dtype
         self.overlap = overlap
         self.timeout = timeout
+        self.masters = None if master_params is None else self._check_masters(list(master_params))
         self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self._layout_checked = False
         self._step: _Step | None = None
@@ -240,18 +245,38 @@ class WeightedReducer:
         while self._next_launch < len(self.buckets):
             self._launch_next(step)
         flags_work = launch_all_reduce(flags, self.group) if users is None else None
+        if self.masters is not None:
+            for master in self.masters.values():
+                if master.grad is None or not master.grad.is_contiguous():
+                    master.grad = torch.empty_like(master)   # every element is unpacked into
         for index, (bucket, work) in enumerate(zip(self.buckets, step.works)):
             wait(work, self.timeout, f"{self.who}: the all-reduce of bucket {index}")
-            ops.unpack_(bucket.wire, bucket.grads(), step.inv_loss_scale, step.found_inf, step.sq_norm)
+            ops.unpack_(bucket.wire, bucket.grads(self.masters), step.inv_loss_scale, step.found_inf, step.sq_norm)
         if flags_work is not None:
             wait(flags_work, self.timeout, f"{self.who}: the agreement on unused parameters")
             users = flags.tolist()
         for p, count in zip(self.params, users):
             if count == 0:
                 p.grad = None
+                if self.masters is not None:
+                    self.masters[id(p)].grad = None
         self._step = None
         return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt(), weight=step.share.weight,
                             total=step.share.total)
+
+    def _check_masters(self, masters: list[Tensor]) -> dict[int, Tensor]:
+        """master_params by the id of the parameter each stands for, after checking that
+        they can: one contiguous float tensor per parameter, of its shape, on its device."""
+        if len(masters) != len(self.params):
+            raise ValueError(f"{self.who}: master_params holds {len(masters)} tensors for {len(self.params)} "
+                             f"parameters that require grad; expected one per parameter, in the same order")
+        for i, (p, m) in enumerate(zip(self.params, masters)):
+            if not (isinstance(m, Tensor) and m.is_floating_point() and m.is_contiguous() and m.shape == p.shape
+                    and m.device == p.device):
+                got = f"{tuple(m.shape)} {m.dtype} on {m.device}" if isinstance(m, Tensor) else type(m).__name__
+                raise ValueError(f"{self.who}: master_params[{i}] is {got}; expected a contiguous float tensor "
+                                 f"of its parameter's shape {tuple(p.shape)} on {p.device}")
+        return {id(p): m for p, m in zip(self.params, masters)}
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks of overlap=True."""
