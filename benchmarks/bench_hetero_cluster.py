@@ -31,12 +31,9 @@ from pathlib import Path
 
 import torch
 
-RELATIVE_SPEEDS = (1.0, 1.0, 0.5, 0.25)
-# The simulated cluster may keep at most this share of the machine's cores busy: a rank of
-# speed s computes for s of its step and sleeps the rest, so the ranks together need Σ s
-# cores; more than the machine has and they slow each other down in ways no real cluster
-# of separate cards does (4 ranks of speeds 1, 1, 0.5, 0.25 want 2.75 cores).
-CORE_SHARE = 0.75
+from hetcomm.train.config import DEFAULT_CPU_SPEEDS
+from hetcomm.train.simulate import CORE_SHARE, fit_to_cores
+
 GLOBAL_BATCH = 96
 # Steps of about a second on 2 cores, so that the per-step collectives (~5 ms each with 4 Gloo
 # processes on 2 cores) are a few percent of a step.
@@ -46,9 +43,8 @@ STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "h
 
 
 def simulated_speeds() -> str:
-    """RELATIVE_SPEEDS scaled down until the ranks fit in CORE_SHARE of this machine."""
-    scale = min(1.0, CORE_SHARE * (os.cpu_count() or 1) / sum(RELATIVE_SPEEDS))
-    return ",".join(f"{scale * s:.4g}" for s in RELATIVE_SPEEDS)
+    """The trainer's default relative speeds, scaled down as its default run scales them."""
+    return ",".join(f"{s:.4g}" for s in fit_to_cores(DEFAULT_CPU_SPEEDS, os.cpu_count() or 1))
 
 
 def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:

@@ -31,10 +31,24 @@ def precision_for_capability(capability: tuple[int, int] | None) -> str:
 AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for this device, or None for plain fp32."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return AUTOCAST_DTYPES[precision_for_capability(capability)]
+def compute_precision(device: torch.device, requested: str = "auto") -> str:
+    """The precision `device` computes in: the policy's for its generation ("auto"),
+    or the one requested. bf16 on a GPU without bf16 arithmetic (before sm_80) is a
+    ValueError naming the GPU."""
+    if requested not in ("auto", *PRECISIONS):
+        raise ValueError(f"precision {requested!r}: expected auto or one of {', '.join(PRECISIONS)}")
+    capability = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    if requested == "auto":
+        return precision_for_capability(capability)
+    if requested == "bf16" and capability is not None and capability < (8, 0):
+        raise ValueError(f"--precision bf16: {torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) "
+                         f"has no bf16 arithmetic (sm_80 and newer do); use fp16, with its loss scale, or fp32")
+    return requested
+
+
+def autocast_dtype(device: torch.device, requested: str = "auto") -> torch.dtype | None:
+    """The autocast dtype of compute_precision(device, requested), or None for plain fp32."""
+    return AUTOCAST_DTYPES[compute_precision(device, requested)]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hetcomm.amp import DynamicLossScaler, autocast_dtype
+from hetcomm.amp import DynamicLossScaler, autocast_dtype, compute_precision
 
 
 @pytest.mark.parametrize("capability, expected", [
@@ -22,6 +22,17 @@ def test_precision_policy_by_compute_capability(monkeypatch, capability, expecte
 
 def test_cpu_trains_in_fp32():
     assert autocast_dtype(torch.device("cpu")) is None
+
+
+def test_a_requested_precision_overrides_the_policy(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    assert compute_precision(torch.device("cuda", 0), "fp32") == "fp32"
+    assert autocast_dtype(torch.device("cpu"), "bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match=r"--precision bf16: Tesla V100-SXM2-16GB \(sm_70\) has no bf16 arithmetic"):
+        compute_precision(torch.device("cuda", 0), "bf16")
+    with pytest.raises(ValueError, match=r"precision 'fp8': expected auto or one of fp32, fp16, bf16"):
+        compute_precision(torch.device("cpu"), "fp8")
 
 
 def test_loss_scaler_backs_off_and_grows_like_gradscaler():

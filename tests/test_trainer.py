@@ -78,13 +78,56 @@ def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
 
 
 def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
-    config = tiny_config(tmp_path, speeds="1,0.2", equal_steps=0, steps=2, global_batch=16)
+    # Both ranks slowed: a simulated rank is timed by the CPU time it got, a rank at full
+    # speed by the wall clock, which the other rank's compute can stretch.
+    config = tiny_config(tmp_path, speeds="0.5,0.1", equal_steps=0, steps=2, global_batch=16)
     values(run_ranks(2, train, config, tmp_path=tmp_path))
     steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
     first = steps[0]["micro_batch"]
     assert sum(first) == 16 and first[0] > 2 * first[1]   # rank 1 runs at a fifth of the speed
     assert steps[0]["phase"] == "balanced"
     assert json.loads((Path(config.out) / "run.json").read_text())["probe_s"] > 0
+
+
+def train_and_keep_weights(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run()
+    masters = None if trainer.masters is None else [m.detach().clone() for m in trainer.masters]
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    return (losses(config.out) if rank == 0 else None), masters, weights
+
+
+def test_sixteen_bit_weights_with_fp32_masters(tmp_path):
+    """--precision bf16 on CPU runs the path 16-bit GPUs take: bf16 weights, fp32 masters
+    that the reducer unpacks into and AdamW updates, one fused cast back per step. It
+    trains like fp32 (within bf16's rounding), every rank ends with the same masters,
+    and the model's weights are exactly the masters rounded to bf16."""
+    fp32, none, _ = values(run_ranks(2, train_and_keep_weights, tiny_config(tmp_path, out=str(tmp_path / "fp32")),
+                                     tmp_path=tmp_path))[0]
+    assert none is None
+    results = values(run_ranks(2, train_and_keep_weights,
+                               tiny_config(tmp_path, precision="bf16", wire="float16", out=str(tmp_path / "bf16")),
+                               tmp_path=tmp_path / "b"))
+    bf16 = results[0][0]
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=0.02, atol=0)
+    assert bf16[-1] < bf16[0]
+    for _, masters, weights in results:
+        assert all(m.dtype == torch.float32 for m in masters) and all(w.dtype == torch.bfloat16 for w in weights)
+        assert all(torch.equal(w, m.to(torch.bfloat16)) for m, w in zip(masters, weights))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    ranks = json.loads((tmp_path / "bf16" / "run.json").read_text())["ranks"]
+    assert [r["weights"] for r in ranks] == ["16-bit, fp32 masters"] * 2 and ranks[0]["precision"] == "bf16"
+    # --weights fp32: fp32 weights under bf16 autocast, no masters.
+    _, none, weights = values(run_ranks(2, train_and_keep_weights,
+                                        tiny_config(tmp_path, precision="bf16", weights="fp32", steps=2,
+                                                    out=str(tmp_path / "autocast")), tmp_path=tmp_path / "a"))[0]
+    assert none is None and all(w.dtype == torch.float32 for w in weights)
+
+
+def test_resumed_sixteen_bit_run_continues_exactly(tmp_path):
+    config = tiny_config(tmp_path, split="3,5", precision="bf16", wire="float16", out=str(tmp_path / "straight"))
+    original, resumed = values(run_ranks(2, interrupted_then_resumed, config, tmp_path=tmp_path))[0]
+    assert resumed == original[3:]  # the checkpoint holds the fp32 masters: nothing was rounded away
 
 
 def interrupted_then_resumed(rank, world, config):

@@ -4,12 +4,14 @@ before any process starts, so that bad input is one clear message and nothing ru
 import argparse
 from dataclasses import asdict, dataclass, field
 
+from hetcomm.amp import PRECISIONS
 from hetcomm.train.per_rank import parse_per_rank
 from hetcomm.train.simulate import parse_slowdown, parse_speeds
 
 DEFAULT_CPU_RANKS = 4
-DEFAULT_CPU_SPEEDS = "1,1,0.5,0.25"
+DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machine's cores
 WIRES = ("float16", "float32", "bfloat16")
+WEIGHTS = ("compute", "fp32")
 BALANCE = ("dynamic", "static", "equal")
 
 
@@ -31,6 +33,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     wire: str = "float16"
+    precision: str = "auto"       # auto: by device generation (hetcomm.amp); or fp32 / fp16 / bf16 everywhere
+    weights: str = "compute"      # compute: 16-bit weights + fp32 masters when computing in 16-bit; fp32: autocast
     loss_scale: float = 2.0**12   # initial dynamic loss scale (fp16 wire or fp16 compute)
     # balancing
     balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
@@ -81,6 +85,13 @@ def parser() -> argparse.ArgumentParser:
     opt.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm (0: off)")
     opt.add_argument("--wire", choices=WIRES, default=d.wire, help="gradient all-reduce dtype (default %(default)s)")
     opt.add_argument("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale")
+    opt.add_argument("--precision", choices=("auto", *PRECISIONS), default=d.precision,
+                     help="compute precision: auto picks per device (fp32 on CPUs and sm_61, fp16 on sm_60/70/75, "
+                          "bf16 on sm_80+), or one for every rank (default %(default)s)")
+    opt.add_argument("--weights", choices=WEIGHTS, default=d.weights,
+                     help="when computing in 16-bit: compute = the model's weights in 16-bit with fp32 master "
+                          "copies for the optimizer, refreshed by one fused cast per step; fp32 = fp32 weights "
+                          "under autocast (default %(default)s)")
     bal = p.add_argument_group("balancing")
     bal.add_argument("--balance", choices=BALANCE, default=d.balance,
                      help="dynamic: profile, then rebalance while training; static: one split from the first "
@@ -98,7 +109,8 @@ def parser() -> argparse.ArgumentParser:
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
     cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
-    cluster.add_argument("--speeds", help="simulated speed factor per rank, e.g. 1,1,0.5,0.25 (CPU default)")
+    cluster.add_argument("--speeds", help="simulated speed factor per rank, e.g. 1,1,0.5,0.25 (the CPU default: those "
+                                              "ratios, scaled down to keep at most 75%% of the cores busy)")
     cluster.add_argument("--slowdown", action="append", default=[], metavar="RANK:STEP:FACTOR",
                          help="simulate a card that slows down: rank RANK runs FACTOR times as fast from STEP on")
     files = p.add_argument_group("data and files")

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from hetcomm.train.checkpoint import CheckpointError, load_checked
 from hetcomm.train.config import (DEFAULT_CPU_RANKS, DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu,
                                   from_args, parser, validate)
+from hetcomm.train.simulate import fit_to_cores
 
 
 def _free_port() -> int:
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
     else:
         world = torch.cuda.device_count() if use_cuda else DEFAULT_CPU_RANKS
         if not use_cuda and config.speeds is None:
-            config.speeds = DEFAULT_CPU_SPEEDS  # the built-in default: a simulated heterogeneous cluster
+            # The built-in default: a simulated heterogeneous cluster that fits this machine.
+            config.speeds = ",".join(f"{s:.4g}" for s in fit_to_cores(DEFAULT_CPU_SPEEDS, os.cpu_count() or 1))
     try:
         if world < 1:
             raise ValueError(f"--nproc must be at least 1; got {world}")

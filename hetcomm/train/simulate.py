@@ -12,13 +12,26 @@ a device of its own, and its compute is timed by the wall clock.
 """
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from hetcomm.train.per_rank import parse_per_rank
+
+
+# The share of the machine's cores a simulated cluster may keep busy at most.
+CORE_SHARE = 0.75
+
+
+def fit_to_cores(relative: Sequence[float], cores: int, share: float = CORE_SHARE) -> list[float]:
+    """`relative` speed factors scaled down (never up) until the ranks keep at most
+    `share` of `cores` busy. A rank of speed s computes for s of its step, so together
+    they need sum(s) cores; 4 ranks of speeds 1, 1, 0.5, 0.25 want 2.75, and on 2 cores
+    they would wait for one another's cores as no cluster of separate cards does."""
+    scale = min(1.0, share * cores / sum(relative))
+    return [scale * s for s in relative]
 
 
 @dataclass(frozen=True)

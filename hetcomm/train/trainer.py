@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetcomm.amp import DynamicLossScaler, autocast_dtype
+from hetcomm import ops
+from hetcomm.amp import AUTOCAST_DTYPES, DynamicLossScaler, compute_precision
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, probe_memory,
                              solve_split)
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
@@ -42,12 +43,13 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases, norms); the fused kernel
-    on CPU and CUDA (a third of the for-loop's time on CPU, one launch on GPUs)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    fused = next(model.parameters()).device.type in ("cpu", "cuda")
+def make_optimizer(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the model's parameters or their fp32 masters, with weight decay on
+    matrices only (not on biases, norms); the fused kernel on CPU and CUDA (a third of
+    the for-loop's time on CPU, one launch on GPUs)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    fused = params[0].device.type in ("cpu", "cuda")
     return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95),
                              fused=fused)
@@ -102,10 +104,18 @@ class Trainer:
         self.model = GPT(GPTConfig(vocab_size=self.data.vocab_size, block_size=config.block_size,
                                    n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
                                    dropout=config.dropout)).to(device)
-        self.optimizer = make_optimizer(self.model, config)
-        self.autocast = autocast_dtype(device)
+        self.precision = self._agree_precision()
+        self.autocast = AUTOCAST_DTYPES[self.precision]
+        # Computing in 16-bit with --weights compute: the model holds 16-bit weights (no
+        # per-forward casts, half the weight reads) and the optimizer fp32 masters, which
+        # the reducer unpacks the gradient into and one fused cast copies back each step.
+        self.masters: list[torch.nn.Parameter] | None = None
+        if self.autocast is not None and config.weights == "compute":
+            self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
+            self.model.to(self.autocast)
+        self.optimizer = make_optimizer(self.trained_params(), config)
         wire = getattr(torch, config.wire)
-        self.reducer = WeightedReducer(self.model.parameters(), wire_dtype=wire)
+        self.reducer = WeightedReducer(self.model.parameters(), wire_dtype=wire, master_params=self.masters)
         # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
         scaled = torch.tensor([float(wire == torch.float16 or self.autocast == torch.float16)])
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
@@ -184,6 +194,31 @@ class Trainer:
                                  f"device's memory; use a smaller --block-size or model, or leave that device out")
         return caps if any(c is not None for c in caps) else None
 
+    def _agree_precision(self) -> str:
+        """This rank's compute precision (--precision, or the policy for its device); a
+        precision one rank's device cannot run stops every rank with that rank's message."""
+        try:
+            mine = compute_precision(self.device, self.config.precision)
+        except ValueError as error:
+            mine = error
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine if isinstance(mine, str) else f"error: {mine}")
+        for rank, answer in enumerate(everyone):
+            if answer.startswith("error: "):
+                raise ValueError(f"rank {rank}: {answer[len('error: '):]}")
+        return mine
+
+    def trained_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the fp32 masters of a 16-bit model, or its parameters."""
+        return self.masters if self.masters is not None else list(self.model.parameters())
+
+    def _model_state(self) -> dict:
+        """The model's state dict with the fp32 masters' values where there are masters
+        (a checkpoint holds the weights at full precision)."""
+        state = self.model.state_dict(keep_vars=True)
+        by_param = {id(p): m for p, m in zip(self.model.parameters(), self.masters or [])}
+        return {name: by_param.get(id(t), t).detach() for name, t in state.items()}
+
     def _describe_ranks(self) -> list[dict]:
         """Every rank's device and host, for the log: what the planner calibrates against."""
         if self.device.type == "cuda":
@@ -191,7 +226,8 @@ class Trainer:
                     "capability": list(torch.cuda.get_device_capability(self.device))}
         else:
             mine = {"device": "cpu", "capability": None}
-        mine.update(host=socket.gethostname(), speed=self.speed.speed)
+        mine.update(host=socket.gethostname(), speed=self.speed.speed, precision=self.precision,
+                    weights="16-bit, fp32 masters" if self.masters is not None else "fp32")
         ranks = [None] * self.world
         dist.all_gather_object(ranks, mine)
         return ranks
@@ -244,9 +280,11 @@ class Trainer:
         if not found_inf:
             if config.grad_clip > 0:
                 coefficient = (config.grad_clip / (result.grad_norm + 1e-6)).clamp(max=1.0).reshape(())
-                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                grads = [p.grad for p in self.trained_params() if p.grad is not None]
                 torch._foreach_mul_(grads, coefficient)
             self.optimizer.step()
+            if self.masters is not None:
+                ops.cast_(self.masters, list(self.model.parameters()))
         if self.scaler:
             self.scaler.update(found_inf)
         reduce = time.perf_counter() - start
@@ -361,7 +399,7 @@ class Trainer:
         rng = [None] * self.world
         dist.all_gather_object(rng, torch.get_rng_state())
         if self.rank == 0:
-            save_atomic({"run": self.description, "step": self.step, "model": self.model.state_dict(),
+            save_atomic({"run": self.description, "step": self.step, "model": self._model_state(),
                          "optimizer": self.optimizer.state_dict(),
                          "scaler": self.scaler.state_dict() if self.scaler else None,
                          "sampler": self.sampler.state_dict(), "rebalancer": self.rebalancer.rebalancer.state_dict(),
@@ -377,6 +415,11 @@ class Trainer:
     def _resume(self, path: str) -> None:
         state = load_checked(path, self.description)
         self.model.load_state_dict(state["model"])
+        if self.masters is not None:
+            names = [name for name, _ in self.model.named_parameters()]
+            with torch.no_grad():
+                for name, master in zip(names, self.masters):
+                    master.copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
