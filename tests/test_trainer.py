@@ -124,6 +124,26 @@ def test_sixteen_bit_weights_with_fp32_masters(tmp_path):
     assert none is None and all(w.dtype == torch.float32 for w in weights)
 
 
+def memory_after_one_step(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    predicted = trainer.memory_held_by_training()
+    trainer.run(until=1)
+    moments = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                  for name, t in state.items() if name != "step")
+    master_grads = sum(m.grad.numel() * m.grad.element_size() for m in trainer.masters or [])
+    wires = sum(b.wire.numel() * b.wire.element_size() for b in trainer.reducer.buckets)
+    return predicted, moments + master_grads + wires
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_memory_probe_holds_what_the_first_step_allocates(tmp_path, precision):
+    """The bytes held while probing memory caps (on GPUs) are exactly what the first
+    step allocates beyond the model and its gradients."""
+    config = tiny_config(tmp_path, precision=precision, wire="float16", steps=1)
+    for predicted, allocated in values(run_ranks(2, memory_after_one_step, config, tmp_path=tmp_path)):
+        assert predicted == allocated > 0
+
+
 def test_resumed_sixteen_bit_run_continues_exactly(tmp_path):
     config = tiny_config(tmp_path, split="3,5", precision="bf16", wire="float16", out=str(tmp_path / "straight"))
     original, resumed = values(run_ranks(2, interrupted_then_resumed, config, tmp_path=tmp_path))[0]

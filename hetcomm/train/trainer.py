@@ -8,7 +8,9 @@ Per optimizer step, on every rank:
   3. (simulated clusters) wait so that the compute takes 1/speed of the time it needed;
   4. reduce: the gradient of the mean loss over all N target tokens, sum_i (n_i/N) g_i,
      with found_inf and the global norm (identical on every rank);
-  5. unless found_inf: clip by that norm, AdamW step; update the one global loss scale;
+  5. unless found_inf: clip by that norm, AdamW step (a 16-bit model's on its fp32
+     masters, then one fused cast back into the 16-bit weights); update the one global
+     loss scale;
   6. log (rank 0), let the rebalancer pick the split of the next step (same on every rank).
 """
 
@@ -182,9 +184,14 @@ class Trainer:
                 _, loss = self.model(inputs, targets, reduction="sum")
             loss.backward()
 
+        # What training holds and the probe's step does not yet must be held while probing,
+        # or the caps leave no room for it and the first optimizer step runs out of memory.
+        held = torch.empty(self.memory_held_by_training() if self.device.type == "cuda" else 0,
+                           dtype=torch.uint8, device=self.device)
         # Probing must leave no trace: no gradients, the random streams where they were.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             cap = probe_memory(step, self.device, self.config.global_batch).cap
+        del held
         self.model.zero_grad(set_to_none=True)
         caps: list[int | None] = [None] * self.world
         dist.all_gather_object(caps, cap)
@@ -211,6 +218,15 @@ class Trainer:
     def trained_params(self) -> list[torch.Tensor]:
         """What the optimizer updates: the fp32 masters of a 16-bit model, or its parameters."""
         return self.masters if self.masters is not None else list(self.model.parameters())
+
+    def memory_held_by_training(self) -> int:
+        """Bytes that training allocates on the device beyond the model and its gradients,
+        none of them before the first step: AdamW's two fp32 moments per trained element,
+        the masters' fp32 gradients, the reducer's wire buffers (the masters themselves
+        exist already)."""
+        elements = sum(p.numel() for p in self.trained_params())
+        wire = torch.empty((), dtype=self.reducer.wire_dtype).element_size()
+        return elements * (8 + (4 if self.masters is not None else 0) + wire)
 
     def _model_state(self) -> dict:
         """The model's state dict with the fp32 masters' values where there are masters
