@@ -16,6 +16,7 @@ Per optimizer step, on every rank:
 
 import math
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,6 +349,10 @@ class Trainer:
         if self.rank == 0 and config.progress:
             from tqdm import tqdm
 
+            # One bar in one process: a thread lock. tqdm's default multiprocessing lock is a
+            # semaphore that a worker leaving through os._exit never releases (a "leaked
+            # semaphore" warning at the end of every run).
+            tqdm.set_lock(threading.RLock())
             label = "hetcomm train (simulated cluster)" if self.simulated else "hetcomm train"
             # disable=None: a bar on a terminal, nothing in a log file.
             progress = tqdm(total=config.steps, initial=self.step, desc=label, unit="step", dynamic_ncols=True,
