@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks, values
 
+from hetcomm.plan.cost import STATE_BYTES_PER_PARAMETER
 from hetcomm.train import launch
 from hetcomm.train.config import TrainConfig
 from hetcomm.train.trainer import Trainer
@@ -125,23 +126,30 @@ def test_sixteen_bit_weights_with_fp32_masters(tmp_path):
 
 
 def memory_after_one_step(rank, world, config):
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     predicted = trainer.memory_held_by_training()
     trainer.run(until=1)
-    moments = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
-                  for name, t in state.items() if name != "step")
-    master_grads = sum(m.grad.numel() * m.grad.element_size() for m in trainer.masters or [])
-    wires = sum(b.wire.numel() * b.wire.element_size() for b in trainer.reducer.buckets)
-    return predicted, moments + master_grads + wires
+    moments = size(t for state in trainer.optimizer.state.values() for name, t in state.items() if name != "step")
+    masters = trainer.masters or []
+    wires = size(b.wire for b in trainer.reducer.buckets)
+    model = list(trainer.model.parameters())
+    state = size(model) + size(p.grad for p in model) + size(masters) + size(m.grad for m in masters) + moments
+    return predicted, size(m.grad for m in masters) + moments + wires, state / sum(p.numel() for p in model)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_memory_probe_holds_what_the_first_step_allocates(tmp_path, precision):
+def test_memory_the_probe_holds_and_the_planner_counts(tmp_path, precision):
     """The bytes held while probing memory caps (on GPUs) are exactly what the first
-    step allocates beyond the model and its gradients."""
+    step allocates beyond the model and its gradients; and the planner's state bytes per
+    parameter are what the trainer holds (weights, gradients, masters, AdamW's moments)."""
     config = tiny_config(tmp_path, precision=precision, wire="float16", steps=1)
-    for predicted, allocated in values(run_ranks(2, memory_after_one_step, config, tmp_path=tmp_path)):
+    for predicted, allocated, per_parameter in values(run_ranks(2, memory_after_one_step, config,
+                                                                tmp_path=tmp_path)):
         assert predicted == allocated > 0
+        assert per_parameter == STATE_BYTES_PER_PARAMETER[precision]
 
 
 def test_resumed_sixteen_bit_run_continues_exactly(tmp_path):

@@ -25,15 +25,21 @@ ACTIVATION_TRAFFIC = 3
 # framework's dispatch overhead on the host, and one read of the weights per pass.
 KERNELS_PER_LAYER, KERNELS_OUTSIDE_LAYERS = 40, 30
 SECONDS_PER_KERNEL = 12e-6
-WEIGHT_BYTES_PER_MICRO_STEP = {"fp32": 12, "fp16": 16, "bf16": 16}   # weight reads, 16-bit copies, grad accumulation
+# The weights' traffic per micro-step, as the trainer computes (16-bit precisions: 16-bit
+# weights with fp32 masters): read in forward and in backward, the gradient written;
+# 4-byte elements in fp32, 2-byte ones in 16-bit.
+WEIGHT_BYTES_PER_MICRO_STEP = {"fp32": 12, "fp16": 6, "bf16": 6}
 # The optimizer step per optimizer step: AdamW reads weight, grad and both moments and
-# writes three of them (28 bytes per parameter), clipping rescales the grads (8), the
-# reducer packs and unpacks them (12); memory-bound, at this share of peak bandwidth.
-UPDATE_BYTES_PER_PARAMETER = 48
+# writes three of them (28 bytes per fp32 parameter), clipping rescales the grads (8),
+# the reducer packs and unpacks them (12 for fp32 gradients; 10 from 16-bit ones into
+# fp32 masters, which one cast then copies back: 6); memory-bound, at this share of peak
+# bandwidth.
+UPDATE_BYTES_PER_PARAMETER = {"fp32": 48, "fp16": 52, "bf16": 52}
 BANDWIDTH_EFFICIENCY = 0.7
-# Memory: fp32 weights, grads and AdamW's two moments (16 bytes per parameter), the
-# 16-bit weight copies autocast caches during a step (2), the reducer's wire buffers.
-STATE_BYTES_PER_PARAMETER = {"fp32": 16, "fp16": 18, "bf16": 18}
+# Memory: fp32 weights, grads and AdamW's two moments (16 bytes per parameter); computing
+# in 16-bit, 16-bit weights and grads beside fp32 masters, their grads and the moments
+# (20); plus the reducer's wire buffers.
+STATE_BYTES_PER_PARAMETER = {"fp32": 16, "fp16": 20, "bf16": 20}
 CONTEXT_BYTES = 0.5 * 2**30   # the CUDA context and the kernels of torch's libraries
 # Gradient bytes per all-reduce: the reducer's bucket size (hetcomm.comm, like DDP).
 BUCKET_BYTES = 25 * 2**20
@@ -82,11 +88,11 @@ def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, 
     return DeviceCost(precision=precision, fixed=fixed, per_sample=per_sample,
                       cap=micro_batch_cap(memory, state, activation), state_bytes=state,
                       activation_bytes=activation, memory_bytes=memory,
-                      update_seconds=update_seconds(parameters, bandwidth), efficiency=efficiency)
+                      update_seconds=update_seconds(parameters, bandwidth, precision), efficiency=efficiency)
 
 
-def update_seconds(parameters: int, bandwidth_bytes_per_s: float) -> float:
-    return parameters * UPDATE_BYTES_PER_PARAMETER / (bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
+def update_seconds(parameters: int, bandwidth_bytes_per_s: float, precision: str) -> float:
+    return parameters * UPDATE_BYTES_PER_PARAMETER[precision] / (bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
 
 
 def memory_bound_seconds(device: Device, model: ModelShape, seq: int, precision: str) -> float:

@@ -245,8 +245,8 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
         per_parameter = (here.state_bytes - CONTEXT_BYTES) / model.parameters(seq)
         needed = here.state_bytes / memory_fraction / gib
         largest_model = (here.memory_bytes - CONTEXT_BYTES) / per_parameter / 1e6
-        return (f"Its state needs about {per_parameter:.0f} bytes per parameter (fp32 weights and gradients, "
-                f"AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, a larger --memory-fraction, "
+        return (f"Its state needs about {per_parameter:.0f} bytes per parameter (weights and gradients, "
+                f"fp32 masters in 16-bit, AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, a larger --memory-fraction, "
                 f"or a model of at most about {largest_model:.0f}M parameters (before activations) would fit on the "
                 f"{device.label}.")
     options = []
