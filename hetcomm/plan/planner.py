@@ -246,9 +246,9 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
         needed = here.state_bytes / memory_fraction / gib
         largest_model = (here.memory_bytes - CONTEXT_BYTES) / per_parameter / 1e6
         return (f"Its state needs about {per_parameter:.0f} bytes per parameter (weights and gradients, "
-                f"fp32 masters in 16-bit, AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, a larger --memory-fraction, "
-                f"or a model of at most about {largest_model:.0f}M parameters (before activations) would fit on the "
-                f"{device.label}.")
+                f"fp32 masters in 16-bit, AdamW moments, wire buffers): a card with at least {needed:.0f} GiB, "
+                f"a larger --memory-fraction, or a model of at most about {largest_model:.0f}M parameters (before "
+                f"activations) would fit on the {device.label}.")
     options = []
     if chosen == "fp32" and device.capability >= (6, 0):
         half = "bf16" if device.bf16_tflops else "fp16"
