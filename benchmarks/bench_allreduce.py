@@ -217,12 +217,13 @@ def table(rows):
     for world in sorted({r["ranks"] for r in rows}):
         group = [r for r in rows if r["ranks"] == world]
         for r in group:
-            lines.append(f"| {world} | {r['route']} | {r['seconds'] * 1e3:.1f} | {r['wire_bytes_per_rank'] / 1e6:.1f} | "
-                         f"{r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} | "
+            lines.append(f"| {world} | {r['route']} | {r['seconds'] * 1e3:.1f} | "
+                         f"{r['wire_bytes_per_rank'] / 1e6:.1f} | {r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} | "
                          f"{r['seconds'] / r['lower_bound_seconds']:.1f} | {r['paired_ratio_to_hetcomm_fp16']:.3f}x |")
     links = ", ".join(f"{w} ranks: {next(r['link_GBps'] for r in rows if r['ranks'] == w):.2f} GB/s"
                       for w in sorted({r["ranks"] for r in rows}))
-    return "\n".join(lines) + f"\n\nPer-rank bandwidth with every rank sending to its ring neighbour, same run: {links}."
+    return "\n".join(lines) + (f"\n\nPer-rank bandwidth with every rank sending to its ring neighbour, same run: "
+                               f"{links}.")
 
 
 def main():

@@ -8,9 +8,9 @@ and its share of same-run copy bandwidth.
 import argparse
 import json
 import platform
+from collections import defaultdict
 
 ROUNDS_NOTE = "15 rounds after 2 warm-up rounds"
-from collections import defaultdict
 
 
 def load(path):

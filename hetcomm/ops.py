@@ -173,8 +173,8 @@ def _fake_check_list(op: str, name: str, tensors: Sequence[Tensor], device: torc
     torch._check(len(tensors) > 0, lambda: f"hetcomm.{op}: {name} is an empty list; expected at least one tensor")
     for i, t in enumerate(tensors):
         torch._check(t.device == device,
-                     lambda: f"hetcomm.{op}: {name}[{i}] is on {t.device} but the other tensors are on {device}; "
-                             f"all tensors of one call must be on one device")
+                     lambda i=i, t=t: f"hetcomm.{op}: {name}[{i}] is on {t.device} but the other tensors are on "
+                                          f"{device}; all tensors of one call must be on one device")
 
 
 def _fake_check_numel(op: str, name: str, flat: Tensor, tensors: Sequence[Tensor], list_name: str) -> None:

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, ODD_SIZES, assert_same_bits, gpt_parameter_shapes, make_tensors, special_values
+from conftest import (DEVICES, FLOAT_DTYPES, ODD_SIZES, assert_same_bits, gpt_parameter_shapes, make_tensors,
+                      special_values)
 
 import hetcomm
 

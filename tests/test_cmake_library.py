@@ -35,7 +35,8 @@ scale = torch.tensor([0.75])
 packed = ops.pack.default(src, scale, torch.float16)
 assert torch.equal(packed, reference.pack(src, scale, torch.float16))
 
-dst, ref_dst = [torch.empty(769), torch.empty(15), torch.empty(33)], [torch.empty(769), torch.empty(15), torch.empty(33)]
+dst = [torch.empty(769), torch.empty(15), torch.empty(33)]
+ref_dst = [torch.empty(769), torch.empty(15), torch.empty(33)]
 found, norm, ref_found, ref_norm = (torch.zeros(1) for _ in range(4))
 packed[3] = float("inf")
 ops.unpack_.default(packed, dst, scale, found, norm)

@@ -140,8 +140,8 @@ class WeightedReducer:
         self._check_start(weight, count)
         # After backward the gradients present are known, so which parameters no rank has a
         # gradient for rides in the agreement instead of a collective of its own.
-        agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group, self.who,
-                              [p.grad is not None for p in self.params])
+        agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
+                              self.who, [p.grad is not None for p in self.params])
         if count is None:
             missing = [p for p in self.params if p.grad is None]
             self._step = self._new_step(float(weight), loss_scale)
