@@ -1,0 +1,64 @@
+"""The simulated cluster's clock (hetcomm.train.simulate), on fake clocks: a CPU rank's
+compute is stretched by the CPU time it got, never by the time it spent waiting for a
+core; a GPU rank's by its wall time."""
+
+import pytest
+
+from hetcomm.train import simulate
+from hetcomm.train.simulate import SimulatedSpeed, Slowdown, fit_to_cores
+
+
+class FakeClocks:
+    """Wall time, this process's CPU time and the sleeps, advanced by hand."""
+
+    def __init__(self, monkeypatch):
+        self.wall, self.cpu, self.slept = 0.0, 0.0, []
+        monkeypatch.setattr(simulate.time, "perf_counter", lambda: self.wall)
+        monkeypatch.setattr(simulate.time, "process_time", lambda: self.cpu)
+        monkeypatch.setattr(simulate.time, "sleep", self.sleep)
+        monkeypatch.setattr(simulate.torch, "get_num_threads", lambda: 1)
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.wall += seconds
+
+    def run(self, cpu, waited):
+        """A compute phase that got `cpu` seconds of a core and waited `waited` for one."""
+        self.cpu += cpu
+        self.wall += cpu + waited
+
+
+def test_cpu_ranks_are_stretched_by_the_cpu_time_they_got(monkeypatch):
+    clocks = FakeClocks(monkeypatch)
+    speed = SimulatedSpeed(rank=0, speed=0.25)
+    with speed.compute(step=0):
+        clocks.run(cpu=0.1, waited=0.1)   # another rank held the core half the time
+    assert clocks.wall == pytest.approx(0.4)   # 0.1 s of work at a quarter speed, whatever the wait
+    with speed.compute(step=1):
+        clocks.run(cpu=0.1, waited=0.5)   # waited longer than the stretch: nothing to add
+    assert clocks.slept == [pytest.approx(0.2)]
+
+
+def test_gpu_ranks_are_stretched_by_the_wall_clock(monkeypatch):
+    clocks = FakeClocks(monkeypatch)
+    speed = SimulatedSpeed(rank=0, speed=0.5, device_type="cuda")
+    with speed.compute(step=0):
+        clocks.run(cpu=0.01, waited=0.09)   # the host mostly waits for the GPU
+    assert clocks.wall == pytest.approx(0.2)
+
+
+def test_a_slowdown_applies_from_its_step_to_its_rank(monkeypatch):
+    clocks = FakeClocks(monkeypatch)
+    slowdowns = (Slowdown(rank=1, step=3, factor=0.5),)
+    assert [SimulatedSpeed(1, 1.0, slowdowns).factor(step) for step in (2, 3, 9)] == [1.0, 0.5, 0.5]
+    assert SimulatedSpeed(0, 1.0, slowdowns).factor(9) == 1.0
+    with SimulatedSpeed(1, 1.0, slowdowns).compute(step=3):
+        clocks.run(cpu=0.1, waited=0.0)
+    assert clocks.wall == pytest.approx(0.2)
+
+
+def test_fit_to_cores_scales_down_never_up():
+    fitted = fit_to_cores([1.0, 1.0, 0.5, 0.25], cores=2)
+    assert sum(fitted) == pytest.approx(0.75 * 2)
+    assert fitted[0] / fitted[3] == pytest.approx(4.0)   # the ratios stay
+    assert fit_to_cores([0.5, 0.25], cores=16) == [0.5, 0.25]
