@@ -48,12 +48,13 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hetcomm
-from hetcomm.comm.buckets import FIRST_BUCKET_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from distributed import free_port  # noqa: E402
 
 COUNTS = [3, 7, 1, 13]
+# DDP's bucket sizes (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25).
+DDP_FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 WARMUP, STEPS = 2, 15
 
@@ -81,7 +82,7 @@ class Bucket:
 def ddp_buckets(total):
     """DDP's flat fp32 bucket buffers, 1 MB first then 25 MB (as with
     gradient_as_bucket_view=True: no copy into the buckets, DDP's fastest setting)."""
-    bounds = [0, min(total, FIRST_BUCKET_BYTES // 4)]
+    bounds = [0, min(total, DDP_FIRST_BUCKET_BYTES // 4)]
     while bounds[-1] < total:
         bounds.append(min(total, bounds[-1] + BUCKET_BYTES // 4))
     return [Bucket(torch.randn(end - start), i) for i, (start, end) in enumerate(zip(bounds, bounds[1:]))]

@@ -46,11 +46,6 @@ def compute_precision(device: torch.device, requested: str = "auto") -> str:
     return requested
 
 
-def autocast_dtype(device: torch.device, requested: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of compute_precision(device, requested), or None for plain fp32."""
-    return AUTOCAST_DTYPES[compute_precision(device, requested)]
-
-
 @dataclass
 class DynamicLossScaler:
     """GradScaler's schedule (start 2^16, x2 after 2000 clean steps, x0.5 on overflow),

@@ -3,32 +3,32 @@
 import pytest
 import torch
 
-from hetcomm.amp import DynamicLossScaler, autocast_dtype, compute_precision
+from hetcomm.amp import DynamicLossScaler, compute_precision
 
 
 @pytest.mark.parametrize("capability, expected", [
-    ((6, 0), torch.float16),   # P100: fast fp16, no bf16
-    ((6, 1), None),            # GTX 1080 Ti / Titan Xp / P40: fp16 at 1/64 rate, stay fp32
-    ((7, 0), torch.float16),   # V100
-    ((7, 5), torch.float16),   # T4, RTX 2080 Ti
-    ((8, 0), torch.bfloat16),  # A100
-    ((8, 6), torch.bfloat16),  # RTX 3090
-    ((9, 0), torch.bfloat16),
+    ((6, 0), "fp16"),   # P100: fast fp16, no bf16
+    ((6, 1), "fp32"),   # GTX 1080 Ti / Titan Xp / P40: fp16 at 1/64 rate, stay fp32
+    ((7, 0), "fp16"),   # V100
+    ((7, 5), "fp16"),   # T4, RTX 2080 Ti
+    ((8, 0), "bf16"),   # A100
+    ((8, 6), "bf16"),   # RTX 3090
+    ((9, 0), "bf16"),
 ])
 def test_precision_policy_by_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert autocast_dtype(torch.device("cuda", 0)) == expected
+    assert compute_precision(torch.device("cuda", 0)) == expected
 
 
 def test_cpu_trains_in_fp32():
-    assert autocast_dtype(torch.device("cpu")) is None
+    assert compute_precision(torch.device("cpu")) == "fp32"
 
 
 def test_a_requested_precision_overrides_the_policy(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
     assert compute_precision(torch.device("cuda", 0), "fp32") == "fp32"
-    assert autocast_dtype(torch.device("cpu"), "bf16") == torch.bfloat16
+    assert compute_precision(torch.device("cpu"), "bf16") == "bf16"
     with pytest.raises(ValueError, match=r"--precision bf16: Tesla V100-SXM2-16GB \(sm_70\) has no bf16 arithmetic"):
         compute_precision(torch.device("cuda", 0), "bf16")
     with pytest.raises(ValueError, match=r"precision 'fp8': expected auto or one of fp32, fp16, bf16"):

@@ -206,14 +206,14 @@ class Trainer:
         """This rank's compute precision (--precision, or the policy for its device); a
         precision one rank's device cannot run stops every rank with that rank's message."""
         try:
-            mine = compute_precision(self.device, self.config.precision)
+            mine, problem = compute_precision(self.device, self.config.precision), None
         except ValueError as error:
-            mine = error
-        everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, mine if isinstance(mine, str) else f"error: {mine}")
-        for rank, answer in enumerate(everyone):
-            if answer.startswith("error: "):
-                raise ValueError(f"rank {rank}: {answer[len('error: '):]}")
+            mine, problem = None, str(error)
+        problems: list[str | None] = [None] * self.world
+        dist.all_gather_object(problems, problem)
+        for rank, found in enumerate(problems):
+            if found is not None:
+                raise ValueError(f"rank {rank}: {found}")
         return mine
 
     def trained_params(self) -> list[torch.Tensor]:
@@ -226,8 +226,7 @@ class Trainer:
         the masters' fp32 gradients, the reducer's wire buffers (the masters themselves
         exist already)."""
         elements = sum(p.numel() for p in self.trained_params())
-        wire = torch.empty((), dtype=self.reducer.wire_dtype).element_size()
-        return elements * (8 + (4 if self.masters is not None else 0) + wire)
+        return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
 
     def _model_state(self) -> dict:
         """The model's state dict with the fp32 masters' values where there are masters
