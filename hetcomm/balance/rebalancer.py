@@ -4,32 +4,39 @@ and a new split only when it is predicted to pay off.
 The model of rank i is its profiled shape a_i + c_i·b (one micro-step) divided by a
 speed factor s_i: a card that throttles, or shares its host, slows down as a whole.
 Each step, s_i is measured as the profile's prediction for the samples the rank
-processed over the compute time it took (excluding any wait for other ranks), and
-smoothed by an exponentially weighted moving average. Without profiles the shape is
-a = 0, c = 1 and s_i is plainly the rank's throughput in samples per second. Before
-the average, each measurement is replaced by the median of the rank's last three, so a
-step somewhat off (a page fault, a collector pause) moves little.
+processed over the compute time it took (excluding any wait for other ranks). Without
+profiles the shape is a = 0, c = 1 and s_i is plainly the rank's throughput in samples
+per second. Each measurement is first replaced by the median of the rank's last three,
+so a step somewhat off (a page fault, a collector pause) moves little; the estimate is
+then the plain mean of these since the rank's level was last set (its first
+measurement, or a confirmed shift), and once that holds 1/`smoothing` of them, an
+exponentially weighted moving average with weight `smoothing`. A mean converges on
+the true speed fastest; the average keeps following slow drifts (a card warming up),
+while sudden changes are handled apart (below), so the average can be long (0.05:
+about the last 40 steps).
 
-Three things keep the split from chasing noise. The predicted speed-up of the best
-split over the current one must exceed `threshold` (2% by default; Cannikin uses 5%,
+Two things keep the split from chasing noise. The predicted speed-up of the best
+split over the current one must exceed `threshold` (1% by default; Cannikin uses 5%,
 but a change costs nothing here but another count of samples per rank, while what a
-split leaves on the table is lost on every step) plus a noise margin: twice the
-largest relative standard error of a rank's estimate, at most sqrt(v_i·α/(2−α)) for
-an average with weight α over measurements whose squared relative deviation averages
-v_i. So on a quiet cluster the threshold alone decides, and on a noisy one (CPU
-processes sharing cores) a gain must stand out of the noise.
-It must do so on `patience` consecutive steps, and after a change no other change
-happens for `cooldown` steps (the new split's measurements have to come in first).
+split leaves on the table is lost on every step) plus a noise margin: 1.5 times the
+largest relative standard error of a rank's estimate (sqrt(v_i/n) for a mean of n
+measurements, sqrt(v_i·α/(2−α)) for the average with weight α, v_i being the
+averaged squared relative deviation of one measurement). So on a quiet cluster the
+threshold alone decides, on a noisy one (CPU processes sharing cores) a gain must
+stand out of the noise, and the margin shrinks as measurements come in. The gain must
+hold on `patience` consecutive steps, and after a change no other change happens for
+`cooldown` steps (the new split's measurements have to come in first).
 
 A level shift is handled apart, at once: a measurement at least 25% and five of the
 rank's own standard deviations away from its estimate (a card that starts throttling,
 or a stall) moves the estimate to it on trial, and the split follows on the next step
 if that gains more than the threshold, with no patience and no cool-down. The rank's
 next measurement settles the trial: still as far on the same side, the shift is real
-and the estimate stays at the two measurements' geometric mean; otherwise it was a
-stall, and the estimate (and with it the split) goes back. A throttling card so costs
-one slow step instead of several, and a stall two steps at a split that is off by
-the stall's share; a slow step costs far more than a slightly uneven one.
+and the estimate stays at the two measurements' geometric mean (and a new mean starts
+from them); otherwise it was a stall, and the estimate (and with it the split) goes
+back. A throttling card so costs one slow step instead of several, and a stall two
+steps at a split that is off by the stall's share; a slow step costs far more than a
+slightly uneven one.
 """
 
 import math
@@ -51,10 +58,18 @@ SHIFT_MIN_LOG = math.log(1.25)
 SHIFT_SIGMAS = 5.0
 # A rank's noise (the variance of a measurement's log around the estimate) is assumed
 # to be 10% until measured; the assumption counts as PRIOR_WEIGHT measurements, and the
-# estimate then averages over about the last VARIANCE_MEMORY measurements.
+# estimate then averages over about the last VARIANCE_MEMORY measurements. One: the
+# assumption errs on the safe side and must not hold the margin up for long.
 VARIANCE_PRIOR = 0.1 ** 2
-PRIOR_WEIGHT = 3
+PRIOR_WEIGHT = 1
 VARIANCE_MEMORY = 20
+# The noise margin in relative standard errors of the noisiest rank's estimate. Fed
+# noisy times of the benchmark cluster's speeds (51:51:25:12 samples/s, 96 per step; 40
+# seeds, first split from a timing with 5% noise), 1.5 with threshold 1% and smoothing
+# 0.05 left 0.7-1.3% of the step time on the table over 40 steps at 2-4% noise, against
+# 1.5-2.1% for 2 with threshold 2% and smoothing 0.2, and no more over 400 steps at
+# 10% noise (tests/test_balance_rebalancer.py checks one such case).
+MARGIN_ERRORS = 1.5
 
 
 @dataclass(frozen=True)
@@ -77,13 +92,13 @@ class Rebalancer:
         sizes: the split in use now.
         profiles: per rank the profiled (fixed, per_sample) shape; None: throughput only.
         threshold: the least predicted speed-up, minus 1, worth a change (before the noise margin).
-        smoothing: the EWMA weight of a new measurement.
+        smoothing: the moving average's weight of a new measurement (before 1/smoothing of them, their mean).
         patience: consecutive steps the gain must hold. cooldown: steps after a change with no other.
     """
 
     def __init__(self, global_batch: int, sizes: Sequence[int], profiles: Sequence | None = None, *,
                  memory_caps: Sequence[int | None] | None = None, policy: str = "accumulate",
-                 min_per_rank: int = 1, threshold: float = 0.02, smoothing: float = 0.2, patience: int = 3,
+                 min_per_rank: int = 1, threshold: float = 0.01, smoothing: float = 0.05, patience: int = 3,
                  cooldown: int = 10):
         ranks = len(sizes)
         if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
@@ -109,6 +124,7 @@ class Rebalancer:
         self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER raw speeds per rank
         self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
         self.measured = [0] * ranks          # measurements folded into v_i
+        self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
         self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.steps_since_change = 0
@@ -144,7 +160,7 @@ class Rebalancer:
             self.trial_from[i], self.speeds[i] = None, before
             if self._beyond_shift_bound(i, speed) and (speed > before) == (jumped > before):
                 self.speeds[i] = math.sqrt(jumped * speed)   # confirmed: the shift's two measurements
-                self.recent[i] = [jumped, speed]
+                self.recent[i], self.level_count[i] = [jumped, speed], 2
                 return
             self.shifted = True                              # a stall: back to the estimate from before
         if self.recent[i] and self._beyond_shift_bound(i, speed):
@@ -152,23 +168,27 @@ class Rebalancer:
             return
         recent = self.recent[i] = (self.recent[i] + [speed])[-SPIKE_FILTER:]
         if len(recent) == 1:
-            self.speeds[i] = speed                           # the first measurement
+            self.speeds[i], self.level_count[i] = speed, 1   # the first measurement
             return
         # The noise of a single measurement, which is what the shift bound tests (the
         # median's is smaller, so the noise margin built on it errs on the safe side).
         self.measured[i] += 1
         weight = 1 / min(self.measured[i] + PRIOR_WEIGHT, VARIANCE_MEMORY)
         self.variances[i] = (1 - weight) * self.variances[i] + weight * math.log(speed / self.speeds[i]) ** 2
-        self.speeds[i] = (1 - self.smoothing) * self.speeds[i] + self.smoothing * statistics.median(recent)
+        self.level_count[i] += 1
+        weight = max(self.smoothing, 1 / self.level_count[i])   # the mean, then the moving average
+        self.speeds[i] = (1 - weight) * self.speeds[i] + weight * statistics.median(recent)
 
     def _beyond_shift_bound(self, rank: int, speed: float) -> bool:
         bound = max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
         return abs(math.log(speed / self.speeds[rank])) > bound
 
     def required_gain(self) -> float:
-        """The threshold plus twice the largest relative standard error of an estimate."""
-        shrink = self.smoothing / (2 - self.smoothing)
-        return self.threshold + 2 * math.sqrt(max(self.variances) * shrink)
+        """The threshold plus MARGIN_ERRORS relative standard errors of the noisiest
+        rank's estimate (a mean of n measurements, or the moving average)."""
+        average = self.smoothing / (2 - self.smoothing)
+        variance = max(v * max(average, 1 / max(1, n)) for v, n in zip(self.variances, self.level_count))
+        return self.threshold + MARGIN_ERRORS * math.sqrt(variance)
 
     def decide(self) -> RebalanceDecision:
         """Solves for the best split under the current estimates; proposes it when its
@@ -214,6 +234,7 @@ class Rebalancer:
     def state_dict(self) -> dict:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
+                "level_count": list(self.level_count),
                 "trial_from": list(self.trial_from), "shifted": self.shifted,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
@@ -227,6 +248,9 @@ class Rebalancer:
         self.variances = [float(v) for v in state["variances"]]
         # States saved before level shifts were tried: no trial under way, the noise as measured.
         self.measured = [int(n) for n in state.get("measured", [VARIANCE_MEMORY] * len(self.sizes))]
+        # States saved before the mean: their estimates are moving averages already.
+        long_ago = round(1 / self.smoothing)
+        self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
         self.shifted = bool(state.get("shifted", False))
         self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])

@@ -46,7 +46,7 @@ def _observed(sizes: tuple[int, ...], profiles: list, caps: list, slowness: torc
 
 
 def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Slowdown, ...] = (), seed: int = 0,
-             threshold: float = 0.02) -> Simulation:
+             threshold: float = 0.01) -> Simulation:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--simulate {steps!r}: expected a positive number of steps")
     if not (isinstance(noise, (int, float)) and math.isfinite(noise) and 0 <= noise <= 1):

@@ -39,7 +39,7 @@ class TrainConfig:
     # balancing
     balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
     equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
-    rebalance_threshold: float = 0.02
+    rebalance_threshold: float = 0.01
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
     # the cluster
