@@ -2,6 +2,7 @@
 gradient of the mean loss over the union of all samples; overflows, bad weights,
 mismatched layouts and missing ranks give the same answer or error on every rank."""
 
+import math
 import time
 from datetime import timedelta
 
@@ -93,6 +94,24 @@ def scenarios(rank, world, counts):
     holding.finish()
     holding.remove_hooks()
     out["overlap_partly_used"] = grads_of(model)
+
+    # Numbers gathered along with the weights: every rank gets every rank's, as sent.
+    gathering = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float32, bucket_cap_mb=0.0005,
+                                        gather_size=3)
+    mine = [rank + 0.1, -1.0 / (rank + 3), float("nan") if rank == 1 else 1e300]
+    local_backward(model, rank, counts)
+    by_weight = gathering.reduce(weight=n / total, gather=mine)
+    out["gathered"] = (grads_of(model), by_weight.gathered)
+    local_backward(model, rank, counts)
+    out["gathered_by_count"] = gathering.reduce(count=n, gather=mine).gathered
+    local_backward(model, rank, counts)
+    out["gather_short"] = error_of(lambda: gathering.reduce(weight=n / total, gather=mine[:2] if rank == 2 else mine))
+    out["gather_not_a_number"] = error_of(lambda: gathering.reduce(
+        weight=n / total, gather=[mine[0], "x", 0.0] if rank == 1 else mine))
+    out["gather_missing"] = error_of(lambda: gathering.reduce(weight=n / total))
+    out["gather_size_differs"] = error_of(lambda: hetcomm.WeightedReducer(
+        model.parameters(), gather_size=rank % 2).reduce(weight=n / total, gather=[1.0] * (rank % 2)))
+    out["gather_size_bad"] = error_of(lambda: hetcomm.WeightedReducer(model.parameters(), gather_size=-1))
 
     local_backward(model, rank, counts)
     out["bad_sum"] = error_of(lambda: reducer.reduce(weight=0.3))
@@ -199,12 +218,39 @@ def test_bad_master_params_name_the_argument(ranks):
 
 def test_bad_weights_raise_the_same_error_on_every_rank(ranks):
     for key, pattern in [("bad_sum", "the weights add up to 1.2 across 4 ranks; expected 1"),
-                         ("negative", "ranks [1] passed an invalid weight or count"),
+                         ("negative", "ranks [1] passed an invalid weight, count or gather"),
                          ("mixed", "3 of 4 ranks passed count= and the others weight=")]:
         for r in ranks:
             kind, message = r[key]
             assert kind == "ValueError" and pattern in message, (key, message)
     assert "here: weight=-1.0 is negative" in ranks[1]["negative"][1]
+
+
+def test_gathered_values_reach_every_rank_as_sent(ranks):
+    sent = [[r + 0.1, -1.0 / (r + 3), float("nan") if r == 1 else 1e300] for r in range(len(ranks))]
+    for r in ranks:
+        grads, gathered = r["gathered"]
+        for got in (gathered, r["gathered_by_count"]):
+            assert len(got) == len(sent)
+            for row, expected in zip(got, sent):
+                assert row[0] == expected[0] and row[1] == expected[1]   # exact: one value plus zeros
+                assert (math.isnan(row[2]) and math.isnan(expected[2])) or row[2] == expected[2]
+        # Gathering changes nothing about the gradients.
+        assert all(g is None and grads[k] is None or torch.equal(grads[k], g) for k, g in r["fp32"][0].items())
+
+
+def test_bad_gather_refused_on_every_rank(ranks):
+    for r in ranks:
+        assert r["gather_short"][0] == "ValueError" and "ranks [2] passed an invalid weight, count or gather" \
+            in r["gather_short"][1]
+        assert r["gather_not_a_number"][0] == "ValueError" and "ranks [1]" in r["gather_not_a_number"][1]
+        assert "ranks [0, 1, 2, 3]" in r["gather_missing"][1] and "gather_size=3" in r["gather_missing"][1]
+        kind, message = r["gather_size_differs"]
+        assert kind == "LayoutMismatch" and "gather_size differs (between 0 and 1" in message
+        assert r["gather_size_bad"] == ("ValueError", "hetcomm.WeightedReducer: gather_size must be a "
+                                                      "non-negative integer; got -1")
+    assert "here: gather holds 2 values; expected gather_size=3" in ranks[2]["gather_short"][1]
+    assert "here: gather[1] = 'x' is not a number" in ranks[1]["gather_not_a_number"][1]
 
 
 def test_refused_reduce_leaves_gradients_alone(ranks):

@@ -56,14 +56,18 @@ def layout_fingerprint(params) -> int:
     return int.from_bytes(digest.digest()[:8], "little") >> 2
 
 
-def check_same_layout(params, group, timeout: timedelta | None, who: str) -> None:
-    """Raises LayoutMismatch on every rank if any two ranks' parameter lists differ."""
+def check_same_layout(params, group, timeout: timedelta | None, who: str, gather_size: int = 0) -> None:
+    """Raises LayoutMismatch on every rank if any two ranks' parameter lists, or the
+    sizes of what they gather along with the weights, differ."""
     mine = layout_fingerprint(params)
     # MAX of (x, -x) gives the largest and the negated smallest value in one call.
-    probe = torch.tensor([mine, -mine, len(params), -len(params)], dtype=torch.int64,
+    probe = torch.tensor([mine, -mine, len(params), -len(params), gather_size, -gather_size], dtype=torch.int64,
                          device=control_device(group))
     wait(launch_all_reduce(probe, group, dist.ReduceOp.MAX), timeout, f"{who}: the parameter layout check")
     largest, smallest, most, fewest = probe[0].item(), -probe[1].item(), probe[2].item(), -probe[3].item()
+    if probe[4].item() != -probe[5].item():
+        raise LayoutMismatch(f"{who}: the ranks' gather_size differs (between {-probe[5].item()} and "
+                             f"{probe[4].item()}; this rank has {gather_size}); every rank must gather as many values")
     if largest != smallest:
         raise LayoutMismatch(
             f"{who}: the ranks' parameter lists differ (between {fewest} and {most} parameters; shapes, "

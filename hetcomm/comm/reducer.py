@@ -26,6 +26,7 @@ class ReduceResult:
     grad_norm: Tensor   # 1-element fp32: L2 norm of the whole reduced, unscaled gradient
     weight: float       # this rank's weight n_i / N
     total: float        # N when counts were given, else the sum of the weights
+    gathered: list[list[float]] | None = None  # per rank, the gather= values it passed (gather_size > 0)
 
 
 def check_wire_dtype(wire_dtype: torch.dtype, group, who: str) -> None:
@@ -89,13 +90,19 @@ class WeightedReducer:
             precision; the 16-bit parameters' own gradients keep their local values.
         timeout: how long to wait for any collective before raising CollectiveTimeout
             (default: the process group's own timeout).
+        gather_size: how many numbers each rank sends along with every step's agreement on the
+            weights (reduce(..., gather=[...]) or begin(...)); every rank gets all ranks' numbers in
+            result.gathered, exactly as sent (float64), without a collective of their own: per-step
+            statistics such as compute times, which a trainer would otherwise gather in an extra
+            round trip. Checked equal on every rank at the first reduce.
     """
 
     who = "hetcomm.WeightedReducer"
 
     def __init__(self, params: Iterable[torch.nn.Parameter], process_group=None,
                  wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0, overlap: bool = False,
-                 timeout: timedelta | None = None, master_params: Iterable[Tensor] | None = None):
+                 timeout: timedelta | None = None, master_params: Iterable[Tensor] | None = None,
+                 gather_size: int = 0):
         if not dist.is_initialized():
             raise RuntimeError(f"{self.who}: torch.distributed is not initialised; call "
                                f"dist.init_process_group first (torchrun sets up its environment)")
@@ -111,6 +118,9 @@ class WeightedReducer:
         self.overlap = overlap
         self.timeout = timeout
         self.masters = None if master_params is None else self._check_masters(list(master_params))
+        if isinstance(gather_size, bool) or not isinstance(gather_size, int) or gather_size < 0:
+            raise ValueError(f"{self.who}: gather_size must be a non-negative integer; got {gather_size!r}")
+        self.gather_size = gather_size
         self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self._layout_checked = False
         self._step: _Step | None = None
@@ -126,7 +136,7 @@ class WeightedReducer:
                            for p in self.params]
 
     def reduce(self, weight: float | None = None, *, count: float | None = None,
-               loss_scale: float | Tensor | None = None) -> ReduceResult:
+               loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> ReduceResult:
         """begin() and finish() in one call, after backward (not with overlap=True).
 
         With weight= the buckets are sent at once and the ranks' agreement on the weights
@@ -141,7 +151,8 @@ class WeightedReducer:
         # After backward the gradients present are known, so which parameters no rank has a
         # gradient for rides in the agreement instead of a collective of its own.
         agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
-                              self.who, [p.grad is not None for p in self.params])
+                              self.who, [p.grad is not None for p in self.params], gather,
+                              self.gather_size)
         if count is None:
             missing = [p for p in self.params if p.grad is None]
             self._step = self._new_step(float(weight), loss_scale)
@@ -166,7 +177,7 @@ class WeightedReducer:
         return self.finish()
 
     def begin(self, weight: float | None = None, *, count: float | None = None,
-              loss_scale: float | Tensor | None = None) -> None:
+              loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> None:
         """Agrees with the other ranks on this step's weights; with overlap=True, arms
         the gradient hooks for the coming backward.
 
@@ -177,12 +188,14 @@ class WeightedReducer:
                 N is obtained in the same tiny all-reduce.
             loss_scale: the factor the local gradients carry (the loss was multiplied by
                 it before backward); divided out while unpacking.
+            gather: gather_size numbers of this rank's, returned to every rank in the
+                result's gathered (see the class).
 
-        Raises the same ValueError on every rank if any rank's weight or count is bad.
+        Raises the same ValueError on every rank if any rank's weight, count or gather is bad.
         """
         self._check_start(weight, count)
         share = agree_share(float(weight if count is None else count), count is not None, self.control_group,
-                            self.timeout, self.who)
+                            self.timeout, self.who, gathered=gather, gather_size=self.gather_size)
         self._step = self._new_step(share.weight, loss_scale)
         self._step.share = share
 
@@ -192,7 +205,7 @@ class WeightedReducer:
         if self._step is not None:
             raise RuntimeError(f"{self.who}: begin() called twice; call finish() to end the previous step")
         if not self._layout_checked:
-            check_same_layout(self.params, self.group, self.timeout, self.who)
+            check_same_layout(self.params, self.group, self.timeout, self.who, self.gather_size)
             self._layout_checked = True
             # The ranks agree on their weights over connections of their own: on the gradients'
             # connections that tiny all-reduce queues behind megabytes of buckets (measured on a
@@ -262,7 +275,7 @@ class WeightedReducer:
                     self.masters[id(p)].grad = None
         self._step = None
         return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt(), weight=step.share.weight,
-                            total=step.share.total)
+                            total=step.share.total, gathered=step.share.gathered)
 
     def _check_masters(self, masters: list[Tensor]) -> dict[int, Tensor]:
         """master_params by the id of the parameter each stands for, after checking that

@@ -5,6 +5,7 @@ so every rank reaches the same verdict and raises the same error: a bad weight o
 rank never leaves the others hanging in the gradient all-reduce."""
 
 import math
+import numbers
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,32 +26,48 @@ class Share:
     total: float       # N when counts were given, else the sum of the weights (≈ 1)
     by_count: bool
     users: list[int] | None = None  # per parameter, how many ranks had a gradient for it (when asked)
+    gathered: list[list[float]] | None = None  # per rank, the values it sent along (when asked)
 
 
-def local_problem(value: float, by_count: bool) -> str | None:
+def local_problem(value: float, by_count: bool, gathered: list, gather_size: int) -> str | None:
     name = "count" if by_count else "weight"
     if not math.isfinite(value):
         return f"{name}={value} is not finite"
     if value < 0:
         return f"{name}={value} is negative"
+    if len(gathered) != gather_size:
+        return f"gather holds {len(gathered)} values; expected gather_size={gather_size}"
+    for k, v in enumerate(gathered):
+        # Any float goes through as sent, NaN included (a rank's loss may be one).
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            return f"gather[{k}] = {v!r} is not a number"
     return None
 
 
 class Agreement:
-    """One launched SUM all-reduce of [value, by_count, a problem flag per rank, and
-    optionally a has-a-gradient flag per parameter]. result() waits for it and judges:
-    every rank reaches the same verdict from the same sums."""
+    """One launched SUM all-reduce of [value, by_count, a problem flag per rank,
+    optionally a has-a-gradient flag per parameter, and gather_size values per rank,
+    each rank filling its own]. result() waits for it and judges: every rank reaches the
+    same verdict from the same sums. The gathered values arrive exactly as sent (each
+    slot is one rank's value plus zeros)."""
 
-    def __init__(self, value: float, by_count: bool, group, who: str, used_here: list[bool] | None = None):
+    def __init__(self, value: float, by_count: bool, group, who: str, used_here: list[bool] | None = None,
+                 gathered: list[float] | None = None, gather_size: int = 0):
         self.value, self.by_count, self.group, self.who = value, by_count, group, who
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.problem = local_problem(value, by_count)
+        gathered = [] if gathered is None else list(gathered)
+        self.problem = local_problem(value, by_count, gathered, gather_size)
         self.used_here = [] if used_here is None else used_here
-        header = torch.zeros(2 + self.world + len(self.used_here), dtype=torch.float64)
+        self.gather_size = gather_size
+        used_end = 2 + self.world + len(self.used_here)
+        header = torch.zeros(used_end + self.world * gather_size, dtype=torch.float64)
         header[0] = value if self.problem is None else 0.0
         header[1] = float(by_count)
         header[2 + rank] = float(self.problem is not None)
-        header[2 + self.world:] = torch.tensor(self.used_here, dtype=torch.float64)
+        header[2 + self.world:used_end] = torch.tensor(self.used_here, dtype=torch.float64)
+        if self.problem is None and gather_size:
+            start = used_end + rank * gather_size
+            header[start:start + gather_size] = torch.tensor(gathered, dtype=torch.float64)
         self.header = header.to(control_device(group))
         self.work = launch_all_reduce(self.header, group)
         self.counting_ranks: int | None = None  # known once result() has waited
@@ -62,12 +79,15 @@ class Agreement:
         wait(self.work, timeout, f"{who}: the agreement on weights")
         header = self.header.cpu()
         total, self.counting_ranks = header[0].item(), round(header[1].item())
-        users = [round(u) for u in header[2 + world:].tolist()] if self.used_here else None
+        used_end = 2 + world + len(self.used_here)
+        users = [round(u) for u in header[2 + world:used_end].tolist()] if self.used_here else None
+        gathered = header[used_end:].reshape(world, self.gather_size).tolist() if self.gather_size else None
         bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
         if bad_ranks:
             detail = f" (here: {self.problem})" if self.problem else ""
-            raise ValueError(f"{who}: ranks {bad_ranks} passed an invalid weight or count{detail}; "
-                             f"weights and counts must be finite and non-negative")
+            raise ValueError(f"{who}: ranks {bad_ranks} passed an invalid weight, count or gather{detail}; "
+                             f"weights and counts must be finite and non-negative, and gather must hold "
+                             f"gather_size={self.gather_size} values")
         if self.mixed:
             raise ValueError(f"{who}: {self.counting_ranks} of {world} ranks passed count= and the others weight=; "
                              f"all ranks must use the same one")
@@ -75,11 +95,11 @@ class Agreement:
             if total <= 0:
                 raise ValueError(f"{who}: the counts add up to {total:g} across {world} ranks; at least one rank "
                                  f"must have processed samples")
-            return Share(weight=self.value / total, total=total, by_count=True, users=users)
+            return Share(weight=self.value / total, total=total, by_count=True, users=users, gathered=gathered)
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE * max(1, world):
             raise ValueError(f"{who}: the weights add up to {total:.9g} across {world} ranks; expected 1 "
                              f"(pass count= instead to let hetcomm normalise)")
-        return Share(weight=self.value, total=total, by_count=False, users=users)
+        return Share(weight=self.value, total=total, by_count=False, users=users, gathered=gathered)
 
     @property
     def mixed(self) -> bool:
@@ -88,6 +108,7 @@ class Agreement:
 
 
 def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, who: str,
-                used_here: list[bool] | None = None) -> Share:
+                used_here: list[bool] | None = None, gathered: list[float] | None = None,
+                gather_size: int = 0) -> Share:
     """Agreement(...).result(timeout) in one call."""
-    return Agreement(value, by_count, group, who, used_here).result(timeout)
+    return Agreement(value, by_count, group, who, used_here, gathered, gather_size).result(timeout)

@@ -11,7 +11,12 @@ Per optimizer step, on every rank:
   5. unless found_inf: clip by that norm, AdamW step (a 16-bit model's on its fp32
      masters, then one fused cast back into the 16-bit weights); update the one global
      loss scale;
-  6. log (rank 0), let the rebalancer pick the split of the next step (same on every rank).
+  6. let the rebalancer pick the split of the next step (same on every rank), log (rank 0).
+
+Every rank's compute time, loss and token count travel in the reducer's agreement on
+the weights (no collective of their own); its reduce and update times, known only
+after the reduction, travel in the next step's, so rank 0 writes a step's log line one
+step late (and completes the last one with a small all-reduce of its own).
 """
 
 import math
@@ -76,15 +81,21 @@ def load_data(config: TrainConfig) -> tuple[TokenWindows, str]:
     return TokenWindows(tokens, config.block_size), description
 
 
+# What each rank sends along with every step's agreement on the weights, in this order:
+# this step's compute seconds, summed loss and target tokens, and the previous step's
+# reduce seconds (the gradient reduction and the update, including the wait for slower
+# ranks) and update seconds (clipping, the optimizer step, the loss scale).
+GATHERED = ("compute", "loss_sum", "tokens", "previous_reduce", "previous_update")
+
+
 @dataclass
 class StepStats:
-    """One rank's measurements of one step."""
+    """One step's measurements: this rank's, and every rank's as gathered."""
 
     compute: float      # forward/backward (and the simulated wait), seconds
     reduce: float       # the gradient reduction and the update, including waiting for slower ranks
-    update: float       # of which the update: clipping, the optimizer step, the loss scale
-    loss_sum: float     # summed cross-entropy over this rank's target tokens
-    tokens: int
+    update: float       # of which the update
+    everyone: torch.Tensor  # [world, len(GATHERED)] float64
 
 
 @dataclass
@@ -118,7 +129,10 @@ class Trainer:
             self.model.to(self.autocast)
         self.optimizer = make_optimizer(self.trained_params(), config)
         wire = getattr(torch, config.wire)
-        self.reducer = WeightedReducer(self.model.parameters(), wire_dtype=wire, master_params=self.masters)
+        self.reducer = WeightedReducer(self.model.parameters(), wire_dtype=wire, master_params=self.masters,
+                                       gather_size=len(GATHERED))
+        self._previous_times = (0.0, 0.0)   # this rank's reduce and update seconds of the last step
+        self._pending: dict | None = None   # rank 0: the last step's log line, waiting for those times
         # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
         scaled = torch.tensor([float(wire == torch.float16 or self.autocast == torch.float16)])
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
@@ -290,7 +304,8 @@ class Trainer:
         # Every window's block_size targets carry loss, so N is the global batch's token
         # count on every rank: passing the weight n_i / N, rather than n_i for the ranks to
         # add up first, lets the agreement on the weights travel beside the buckets.
-        result = self.reducer.reduce(tokens / (config.global_batch * config.block_size), loss_scale=scale)
+        result = self.reducer.reduce(tokens / (config.global_batch * config.block_size), loss_scale=scale,
+                                     gather=[compute, loss_sum, tokens, *self._previous_times])
         found_inf = bool(result.found_inf.item())
         update_start = time.perf_counter()
         if not found_inf:
@@ -305,22 +320,14 @@ class Trainer:
             self.scaler.update(found_inf)
         reduce = time.perf_counter() - start
         self._last_reduce = (found_inf, result.grad_norm.item(), scale)
-        return StepStats(compute, reduce, time.perf_counter() - update_start, loss_sum, tokens)
+        self._previous_times = (reduce, time.perf_counter() - update_start)
+        return StepStats(compute, reduce, self._previous_times[1], torch.tensor(result.gathered, dtype=torch.float64))
 
     # --- the run --------------------------------------------------------------------
 
-    def _gather(self, stats: StepStats) -> torch.Tensor:
-        """[world, 5]: every rank's compute, reduce and update seconds, loss sum and tokens."""
-        mine = torch.tensor([[stats.compute, stats.reduce, stats.update, stats.loss_sum, stats.tokens]],
-                            dtype=torch.float64)
-        everyone = torch.zeros(self.world, 5, dtype=torch.float64)
-        everyone[self.rank] = mine[0]
-        dist.all_reduce(everyone)
-        return everyone
-
     def _choose_next_split(self, stats: StepStats, compute_times: list[float]) -> None:
         """The balancing regime decides the split of the next step from every rank's
-        compute time (gathered once per step by _gather; the same on every rank)."""
+        compute time (gathered with the step's weights; the same on every rank)."""
         decision = self.rebalancer.step(stats.compute, compute_times)
         config = self.config
         if self.fixed_split:
@@ -359,22 +366,29 @@ class Trainer:
         run_start = time.perf_counter()
         while self.step < last:
             step_start = time.perf_counter()
-            split = self.split
+            split, phase = self.split, self.phases[-1]
             stats = self.train_step()
-            everyone = self._gather(stats)
-            step_seconds = time.perf_counter() - step_start
-            if self.step > 0:  # the first step pays for warm-up (allocator, thread pools), not for the split
-                self.phases[-1].step_seconds.append(step_seconds)
+            everyone = stats.everyone
             self._choose_next_split(stats, everyone[:, 0].tolist())
             if self.rank == 0:
-                self._log_step(everyone, split, step_seconds)
+                self._complete_pending(everyone[:, 3].tolist(), everyone[:, 4].tolist())
+                self._pending = self._log_line(everyone, split, phase.name)
                 if progress:
-                    progress.set_postfix(loss=f"{everyone[:, 3].sum() / everyone[:, 4].sum():.3f}",
+                    progress.set_postfix(loss=f"{everyone[:, 1].sum() / everyone[:, 2].sum():.3f}",
                                          split="/".join(map(str, split)))
                     progress.update()
+            # The whole step, up to the next one's start: the reduction, the update, the
+            # choice of the split and the log line all delay it.
+            step_seconds = time.perf_counter() - step_start
+            if self.rank == 0:
+                self._pending.update(step_s=step_seconds,
+                                     tokens_per_second=everyone[:, 2].sum().item() / step_seconds)
+            if self.step > 0:  # the first step pays for warm-up (allocator, thread pools), not for the split
+                phase.step_seconds.append(step_seconds)
             self.step += 1
             if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < config.steps:
                 self.save_checkpoint()
+        self._complete_log()
         if progress:
             progress.close()
         if self.step < config.steps:
@@ -386,19 +400,35 @@ class Trainer:
             self.log.close()
         return summary
 
-    def _log_step(self, everyone: torch.Tensor, split: tuple[int, ...], step_seconds: float) -> None:
+    def _log_line(self, everyone: torch.Tensor, split: tuple[int, ...], phase: str) -> dict:
+        """The step's log line as far as it is known on this step (rank 0)."""
         found_inf, grad_norm, scale = self._last_reduce
         compute = everyone[:, 0].tolist()
-        self.log.step({
-            "step": self.step, "simulated": self.simulated, "phase": self.phases[-1].name,
-            "loss": everyone[:, 3].sum().item() / everyone[:, 4].sum().item(),
-            "micro_batch": list(split), "compute_s": compute, "wait_s": everyone[:, 1].tolist(),
-            "update_s": everyone[:, 2].tolist(),
+        return {
+            "step": self.step, "simulated": self.simulated, "phase": phase,
+            "loss": everyone[:, 1].sum().item() / everyone[:, 2].sum().item(),
+            "micro_batch": list(split), "compute_s": compute,
             "samples_per_second": [b / t if t > 0 and b > 0 else 0.0 for b, t in zip(split, compute)],
-            "tokens_per_second": everyone[:, 4].sum().item() / step_seconds, "step_s": step_seconds,
             "loss_scale": scale, "skipped": found_inf, "grad_norm": grad_norm,
             "lr": self.optimizer.param_groups[0]["lr"],
-        })
+        }
+
+    def _complete_pending(self, reduce: list[float], update: list[float]) -> None:
+        """Writes the last step's log line with every rank's reduce and update seconds (rank 0)."""
+        if self._pending is not None:
+            self._pending.update(wait_s=reduce, update_s=update)
+            self.log.step(self._pending)
+            self._pending = None
+
+    def _complete_log(self) -> None:
+        """Before a checkpoint and when the run stops: the last step's reduce and update
+        times have no next step to travel with, so one all-reduce fetches them (every rank)."""
+        times = torch.zeros(self.world, 2, dtype=torch.float64)
+        times[self.rank] = torch.tensor(self._previous_times, dtype=torch.float64)
+        dist.all_reduce(times)
+        self._previous_times = (0.0, 0.0)
+        if self.rank == 0:
+            self._complete_pending(times[:, 0].tolist(), times[:, 1].tolist())
 
     def _summary(self, seconds: float) -> dict:
         model = self.rebalancer.rebalancer.model()
@@ -416,6 +446,7 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
+        self._complete_log()
         rng = [None] * self.world
         dist.all_gather_object(rng, torch.get_rng_state())
         if self.rank == 0:
