@@ -85,7 +85,7 @@ def main():
             for label, strategy in STRATEGIES.items():
                 start = time.perf_counter()
                 result = run(strategy, args.steps, slowdown, Path(tmp) / f"{strategy}-{bool(slowdown)}")
-                # The quick timing that gives the first split (--equal-steps 0) counts as training time.
+                # The timed part of the first step (--equal-steps 0) and the untimed run before it count.
                 train_seconds = sum(s["step_s"] for s in result["steps"]) + result["summary"]["probe_s"]
                 results[label] = (train_seconds, time.perf_counter() - start, result)
             regime_start = slowdown_step if slowdown else None

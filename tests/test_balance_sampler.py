@@ -124,3 +124,37 @@ def test_a_mismatched_state_is_refused(change, message):
     sampler = WeightedDistributedSampler(10, (2, 2), 0)
     with pytest.raises(ValueError, match=message):
         sampler.load_state_dict({**sampler.state_dict(), **change})
+
+
+def test_a_step_dealt_in_parts():
+    """An equal first part and the rest by another split: the step holds the same
+    samples as when dealt whole, each rank's parts in rank order, and the steps after
+    it are the ones a whole-dealt run draws."""
+    whole = draw(samplers(50, (4, 4, 2)), steps=3)
+    ranks = samplers(50, (4, 4, 2))
+    first = [s.take((2, 2, 2)) for s in ranks]
+    assert [s.partial for s in ranks] == [6] * 3
+    rest = [s.take((3, 1, 0)) for s in ranks]
+    permutation = torch.randperm(50, generator=torch.Generator().manual_seed(0)).tolist()
+    assert first == [permutation[0:2], permutation[2:4], permutation[4:6]]
+    assert rest == [permutation[6:9], permutation[9:10], []]
+    assert sorted(i for part in first + rest for i in part) == sorted(i for idx in whole[0] for i in idx)
+    assert [s.partial for s in ranks] == [0] * 3 and [s.cursor for s in ranks] == [10] * 3
+    assert draw(ranks, steps=2) == whole[1:]
+
+
+def test_parts_must_make_up_a_full_step():
+    ranks = samplers(50, (4, 4, 2))
+    ranks[0].take((2, 2, 2))
+    with pytest.raises(ValueError, match=r"6 of this step's 10 samples are dealt already, 4 are left"):
+        ranks[0].take((3, 2, 0))
+    with pytest.raises(RuntimeError, match=r"a step dealt in parts is incomplete \(6 of 10 samples\)"):
+        next(iter(ranks[0]))
+    with pytest.raises(RuntimeError, match=r"state_dict: a step dealt in parts is incomplete"):
+        ranks[0].state_dict()
+    with pytest.raises(ValueError, match=r"expected one count per rank \(3\)"):
+        ranks[1].take((5, 5))
+    last = samplers(15, (4, 4, 2))[0]
+    next(iter(last))
+    with pytest.raises(ValueError, match=r"the epoch's last, smaller one"):
+        last.take((1, 1, 1))

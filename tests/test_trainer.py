@@ -89,6 +89,11 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     assert sum(first) == 16 and first[0] > 2 * first[1]   # rank 1 runs at a fifth of the speed
     assert steps[0]["phase"] == "balanced"
     assert json.loads((Path(config.out) / "run.json").read_text())["probe_s"] > 0
+    # The timed part is training: the first step, dealt in two parts, has the same 16
+    # windows and the same mean gradient as the equal split dealt whole.
+    equal = values(run_ranks(2, train, replace(config, split="8,8", out=str(tmp_path / "equal")),
+                             tmp_path=tmp_path / "e"))[0]
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
 def train_and_keep_weights(rank, world, config):

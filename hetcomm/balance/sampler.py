@@ -41,6 +41,11 @@ class WeightedDistributedSampler:
     After the last step of an epoch the sampler moves on to the next epoch by itself;
     set_epoch(e) jumps to the start of epoch e unless it is the current one (so a
     resumed sampler keeps its place in the usual `set_epoch(epoch)` loop).
+
+    A full step may also be dealt in parts with take(shares): each part deals the next
+    sum(shares) positions in rank order, and the parts must make up the global batch
+    before the next step is drawn (the trainer times an equal part of its first step,
+    then deals the rest by the speeds that timing shows).
     """
 
     def __init__(self, dataset_size: int, sizes: Sequence[int], rank: int, *, seed: int = 0,
@@ -61,6 +66,7 @@ class WeightedDistributedSampler:
         self.global_batch = sum(sizes)
         self.epoch = 0
         self.cursor = 0    # permutation positions already dealt in this epoch
+        self.partial = 0   # positions of the current step dealt so far by take()
         self._permutation: tuple[int, torch.Tensor] | None = None
 
     @property
@@ -96,7 +102,32 @@ class WeightedDistributedSampler:
             self._permutation = (self.epoch, torch.randperm(self.dataset_size, generator=generator))
         return self._permutation[1]
 
+    def take(self, shares: Sequence[int]) -> list[int]:
+        """This rank's indices of the next sum(shares) positions of the current step,
+        dealt by `shares` in rank order: one part of a step dealt in parts. Only full
+        steps can be dealt in parts."""
+        _check_split(shares)
+        if len(shares) != len(self.sizes):
+            raise ValueError(f"shares = {list(shares)}: expected one count per rank ({len(self.sizes)})")
+        if self.cursor + self.global_batch > self.samples_per_epoch:
+            raise ValueError("take: the current step is the epoch's last, smaller one; only full steps can be "
+                             "dealt in parts")
+        if self.partial + sum(shares) > self.global_batch:
+            raise ValueError(f"shares = {list(shares)}: {self.partial} of this step's {self.global_batch} samples "
+                             f"are dealt already, {self.global_batch - self.partial} are left")
+        start = self.cursor + self.partial + sum(shares[: self.rank])
+        indices = self.permutation()[start: start + shares[self.rank]].tolist()
+        self.partial += sum(shares)
+        if self.partial == self.global_batch:
+            self.cursor, self.partial = self.cursor + self.global_batch, 0
+            if self.cursor == self.samples_per_epoch:
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return indices
+
     def __iter__(self) -> Iterator[list[int]]:
+        if self.partial:
+            raise RuntimeError(f"a step dealt in parts is incomplete ({self.partial} of {self.global_batch} "
+                               f"samples); take() the rest first")
         while self.cursor < self.samples_per_epoch:
             batch = min(self.global_batch, self.samples_per_epoch - self.cursor)
             shares = self.sizes if batch == self.global_batch else proportional_shares(self.sizes, batch)
@@ -107,6 +138,9 @@ class WeightedDistributedSampler:
         self.epoch, self.cursor = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
+        if self.partial:
+            raise RuntimeError(f"state_dict: a step dealt in parts is incomplete ({self.partial} of "
+                               f"{self.global_batch} samples)")
         return {"dataset_size": self.dataset_size, "seed": self.seed, "drop_last": self.drop_last,
                 "sizes": list(self.sizes), "epoch": self.epoch, "cursor": self.cursor}
 

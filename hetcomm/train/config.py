@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
                           "profile (FastSpeed-style); equal: every rank the same share")
     bal.add_argument("--equal-steps", type=int, default=d.equal_steps,
                      help="steps run with the equal split first: the baseline and the first profile; 0: start "
-                          "from a quick timing of each rank instead (default %(default)s)")
+                          "from timing each rank on a part of the first step instead (default %(default)s)")
     bal.add_argument("--rebalance-threshold", type=float, default=d.rebalance_threshold,
                      help="adopt a new split only if it predicts this much less step time (default %(default)s)")
     bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "

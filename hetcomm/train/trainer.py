@@ -99,6 +99,15 @@ class StepStats:
 
 
 @dataclass
+class FirstPart:
+    """The part of the first step that timed the ranks (see Trainer._probe_split)."""
+
+    samples: int        # windows done, the same on every rank
+    loss_sum: float
+    compute: float      # seconds, as train_step measures compute
+
+
+@dataclass
 class Phase:
     """Step times of a stretch of the run with one balancing regime."""
 
@@ -144,11 +153,16 @@ class Trainer:
                                     device.type)
         self.fixed_split = parse_split(config.split, world, config.global_batch) if config.split else None
         start_split = self.fixed_split or equal_split(config.global_batch, world)
+        self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
         self.probe_seconds = 0.0
-        probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 and not config.resume
+        self._first_part: FirstPart | None = None
+        # The first step is timed in parts when it is a full one (a corpus of one global
+        # batch or less starts from the equal split).
+        probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 \
+            and not config.resume and len(self.data) >= config.global_batch
         if probing:
             start_split = self._probe_split()
-        self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
+            self.sampler.set_split(start_split)
         self.rebalancer = DistributedRebalancer(Rebalancer(config.global_batch, start_split, memory_caps=self.caps,
                                                            threshold=config.rebalance_threshold,
                                                            **TRAINING_SETTINGS))
@@ -167,25 +181,36 @@ class Trainer:
                                        "simulated": self.simulated}, resume=bool(config.resume)) if rank == 0 else None
 
     def _probe_split(self) -> tuple[int, ...]:
-        """The first split when there is no equal-split phase (--equal-steps 0): every rank
-        times forward and backward of a quarter of an equal share at its (simulated)
-        speed, after one untimed run of the same that pays for allocation, and the global
-        batch is split by the measured throughputs within the memory caps (FastSpeed's
-        one profile, without running a whole step at the slowest rank's pace). The
-        rebalancer refines it from the first step on, measuring at the sizes it gives."""
+        """The first split when there is no equal-split phase (--equal-steps 0), timed on
+        the first step's own samples: after one untimed run that pays for allocation,
+        every rank runs forward and backward of an equal part of the first global batch
+        (a quarter of an equal share each) at its (simulated) speed; the step's split
+        then follows the measured throughputs within the memory caps, each rank keeping
+        at least the part it has done, and train_step deals and computes the rest of
+        the step (FastSpeed's one profile, but no pass that trains nothing). The
+        rebalancer refines the split from the first step on."""
         start = time.perf_counter()
-        size = max(1, self.config.global_batch // self.world // 4)
-        windows = [i % len(self.data) for i in range(size)]
-        self._compute(windows, scale=1.0)
+        config, block = self.config, self.config.block_size
+        size = max(1, config.global_batch // self.world // 4)
+        self._compute([i % len(self.data) for i in range(size)], scale=1.0, tokens=size * block)
+        self.model.zero_grad(set_to_none=True)
+        scale = self.scaler.scale if self.scaler else 1.0
+        part = self.sampler.take([size] * self.world)
         timed = time.perf_counter()
         with self.speed.compute(0):
-            self._compute(windows, scale=1.0)
+            loss_sum = self._compute(part, scale, tokens=size * block)
         seconds = time.perf_counter() - timed
-        self.model.zero_grad(set_to_none=True)
-        times: list[float] = [0.0] * self.world
-        dist.all_gather_object(times, seconds)
-        self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank included
-        return solve_split(self.config.global_batch, [(0.0, t / size) for t in times], self.caps).sizes
+        times = torch.zeros(self.world, dtype=torch.float64)
+        times[self.rank] = seconds
+        dist.all_reduce(times)
+        split = solve_split(config.global_batch, [(0.0, t / size) for t in times.tolist()], self.caps,
+                            min_per_rank=size).sizes
+        # The part's gradients are of its mean loss; the step's are of the mean over all the
+        # rank's split[rank] windows, which the rest of the step adds to.
+        torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], size / split[self.rank])
+        self._first_part = FirstPart(size, loss_sum, seconds)
+        self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank's part included
+        return split
 
     def _probe_caps(self) -> list[int | None] | None:
         """Each rank's largest micro-batch, found by running the real step at growing
@@ -273,11 +298,10 @@ class Trainer:
             return indices
         raise RuntimeError("the sampler produced no step")
 
-    def _compute(self, indices: list[int], scale: float) -> tuple[float, int]:
-        """Forward and backward over this rank's windows; returns the summed loss and the
-        number of target tokens. The loss is divided by the token count, so that the
-        reducer's weight n_i / N makes the global mean."""
-        tokens = len(indices) * self.config.block_size
+    def _compute(self, indices: list[int], scale: float, tokens: int) -> float:
+        """Forward and backward over windows, adding to the gradients; returns the summed
+        loss. The loss is divided by `tokens`, the rank's target tokens in the step, so
+        that the reducer's weight n_i / N makes the global mean."""
         loss_sum = torch.zeros((), device=self.device)
         cap = self.caps[self.rank] if self.caps else None
         for micro in micro_batches(indices, cap):
@@ -286,19 +310,26 @@ class Trainer:
                 _, loss = self.model(inputs, targets, reduction="sum")
             (loss * (scale / tokens)).backward()
             loss_sum += loss.detach()
-        return loss_sum.item(), tokens
+        return loss_sum.item()
 
     def train_step(self) -> StepStats:
         config = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(config, self.step)
-        indices = self._draw()
-        self.model.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler else 1.0
+        first, self._first_part = self._first_part, None
+        if first is None:
+            indices = self._draw()
+            self.model.zero_grad(set_to_none=True)
+            done = FirstPart(0, 0.0, 0.0)
+        else:   # the rest of the step whose first part timed the ranks; its gradients stay
+            indices = self.sampler.take([b - first.samples for b in self.split])
+            done = first
+        tokens = (done.samples + len(indices)) * config.block_size
         start = time.perf_counter()
         with self.speed.compute(self.step):
-            loss_sum, tokens = self._compute(indices, scale)
-        compute = time.perf_counter() - start
+            loss_sum = done.loss_sum + self._compute(indices, scale, tokens)
+        compute = done.compute + time.perf_counter() - start
 
         start = time.perf_counter()
         # Every window's block_size targets carry loss, so N is the global batch's token
