@@ -22,6 +22,16 @@ def test_budgets(total, cap, expected):
     assert sum(expected) == total
 
 
+@pytest.mark.parametrize("total, cap, expected", [
+    (MB + 12, 25 * MB, [MB + 12]),                     # within the cap: one all-reduce
+    (25 * MB, 25 * MB, [25 * MB]),
+    (51 * MB, 25 * MB, [MB, 25 * MB, 25 * MB]),        # over it: the small first bucket still pays
+])
+def test_budgets_without_overlap(total, cap, expected):
+    assert bucket_budgets(total, cap, small_first=False) == expected
+    assert [b.numel * 4 for b in make_buckets(params_of((total // 4,)), cap, small_first=False)] == expected
+
+
 def params_of(*shapes, dtype=torch.float32, device="cpu"):
     return [torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for shape in shapes]
 

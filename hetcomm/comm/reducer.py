@@ -82,7 +82,8 @@ class WeightedReducer:
         wire_dtype: float32, float16 or bfloat16 (not on Gloo). A 16-bit wire halves the bytes;
             use a loss scale with float16 so small gradients do not underflow.
         bucket_cap_mb: gradient megabytes per all-reduce at most; the first holds 1 MB, the others
-            equal shares (hetcomm.comm.buckets: cut at exact byte counts, across parameters).
+            equal shares, except that without overlap a gradient within the cap goes as one
+            (hetcomm.comm.buckets: cut at exact byte counts, across parameters).
         overlap: launch buckets from gradient hooks during backward.
         master_params: fp32 copies of the parameters that require grad (same order and shapes;
             the optimizer's), for a model that computes in 16-bit: the reduced gradient is
@@ -121,7 +122,7 @@ class WeightedReducer:
         if isinstance(gather_size, bool) or not isinstance(gather_size, int) or gather_size < 0:
             raise ValueError(f"{self.who}: gather_size must be a non-negative integer; got {gather_size!r}")
         self.gather_size = gather_size
-        self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20), small_first=overlap)
         self._layout_checked = False
         self._step: _Step | None = None
         self._next_launch = 0
