@@ -160,6 +160,7 @@ class Trainer:
         # batch or less starts from the equal split).
         probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 \
             and not config.resume and len(self.data) >= config.global_batch
+        self.probed = probing
         if probing:
             start_split = self._probe_split()
             self.sampler.set_split(start_split)
@@ -358,8 +359,12 @@ class Trainer:
 
     def _choose_next_split(self, stats: StepStats, compute_times: list[float]) -> None:
         """The balancing regime decides the split of the next step from every rank's
-        compute time (gathered with the step's weights; the same on every rank)."""
-        decision = self.rebalancer.step(stats.compute, compute_times)
+        compute time (gathered with the step's weights; the same on every rank). When
+        a timed part of the first step gave its split, the step's own times are left out:
+        they add mostly one-time costs (allocator growth, thread pools, autotuning; 10%
+        on CPU), which would inflate the noise estimate that holds the next change back."""
+        skip = self.step == 0 and self.probed
+        decision = None if skip else self.rebalancer.step(stats.compute, compute_times)
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -372,7 +377,7 @@ class Trainer:
         elif config.balance == "static":
             sizes = self.split
         else:
-            sizes = decision.sizes
+            sizes = self.split if decision is None else decision.sizes
         self.rebalancer.rebalancer.adopt(sizes)
         self.split = sizes
         self.sampler.set_split(sizes)
