@@ -90,11 +90,9 @@ GATHERED = ("compute", "loss_sum", "tokens", "previous_reduce", "previous_update
 
 @dataclass
 class StepStats:
-    """One step's measurements: this rank's, and every rank's as gathered."""
+    """One step's measurements: this rank's compute time, and every rank's GATHERED."""
 
     compute: float      # forward/backward (and the simulated wait), seconds
-    reduce: float       # the gradient reduction and the update, including waiting for slower ranks
-    update: float       # of which the update
     everyone: torch.Tensor  # [world, len(GATHERED)] float64
 
 
@@ -353,7 +351,7 @@ class Trainer:
         reduce = time.perf_counter() - start
         self._last_reduce = (found_inf, result.grad_norm.item(), scale)
         self._previous_times = (reduce, time.perf_counter() - update_start)
-        return StepStats(compute, reduce, self._previous_times[1], torch.tensor(result.gathered, dtype=torch.float64))
+        return StepStats(compute, torch.tensor(result.gathered, dtype=torch.float64))
 
     # --- the run --------------------------------------------------------------------
 
