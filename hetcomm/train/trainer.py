@@ -183,14 +183,15 @@ class Trainer:
         """The first split when there is no equal-split phase (--equal-steps 0), timed on
         the first step's own samples: after one untimed run that pays for allocation,
         every rank runs forward and backward of an equal part of the first global batch
-        (a quarter of an equal share each) at its (simulated) speed; the step's split
+        (an eighth of an equal share each: the faster ranks wait for the slowest one's
+        part, so a small part wastes little) at its (simulated) speed; the step's split
         then follows the measured throughputs within the memory caps, each rank keeping
         at least the part it has done, and train_step deals and computes the rest of
         the step (FastSpeed's one profile, but no pass that trains nothing). The
         rebalancer refines the split from the first step on."""
         start = time.perf_counter()
         config, block = self.config, self.config.block_size
-        size = max(1, config.global_batch // self.world // 4)
+        size = max(1, config.global_batch // self.world // 8)
         self._compute([i % len(self.data) for i in range(size)], scale=1.0, tokens=size * block)
         self.model.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler else 1.0
