@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.balance.rebalancer import RebalanceDecision, Rebalancer
-from hetcomm.comm.collectives import control_device
+from hetcomm.comm.collectives import control_device, gather_floats
 
 
 class DistributedRebalancer:
@@ -38,10 +38,7 @@ class DistributedRebalancer:
         on rank 0 only (NaN elsewhere)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if all_times is None:
-            times = torch.zeros(world, dtype=torch.float64, device=self.device)
-            times[rank] = compute_time
-            dist.all_reduce(times, group=self.group)
-            all_times = times.tolist()
+            all_times = [row[0] for row in gather_floats([compute_time], self.group)]
         elif len(all_times) != world:
             raise ValueError(f"all_times has {len(all_times)} entries for {world} ranks")
         self.rebalancer.update(all_times)

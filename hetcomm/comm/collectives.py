@@ -48,6 +48,18 @@ def wait(work, timeout: timedelta | None, what: str) -> None:
         raise
 
 
+def gather_floats(values, group=None) -> list[list[float]]:
+    """Every rank's row of numbers, on every rank: one SUM all-reduce of a float64
+    [world, len(values)] table in which each rank fills its own row, so the rows arrive
+    exactly as sent. Every rank must pass as many values."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    table = torch.zeros(world, len(values), dtype=torch.float64)
+    table[rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    table = table.to(control_device(group))
+    dist.all_reduce(table, group=group)
+    return table.tolist()
+
+
 def layout_fingerprint(params) -> int:
     """A 62-bit digest of the parameters' count, order, shapes and dtypes."""
     digest = hashlib.sha256()

@@ -35,6 +35,7 @@ from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistribu
                              solve_split)
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
+from hetcomm.comm.collectives import gather_floats
 from hetcomm.train.checkpoint import load_checked, save_atomic
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, default_corpus, load_tokens
@@ -200,10 +201,8 @@ class Trainer:
         with self.speed.compute(0):
             loss_sum = self._compute(part, scale, tokens=size * block)
         seconds = time.perf_counter() - timed
-        times = torch.zeros(self.world, dtype=torch.float64)
-        times[self.rank] = seconds
-        dist.all_reduce(times)
-        split = solve_split(config.global_batch, [(0.0, t / size) for t in times.tolist()], self.caps,
+        times = [row[0] for row in gather_floats([seconds])]
+        split = solve_split(config.global_batch, [(0.0, t / size) for t in times], self.caps,
                             min_per_rank=size).sizes
         # The part's gradients are of its mean loss; the step's are of the mean over all the
         # rank's split[rank] windows, which the rest of the step adds to.
@@ -423,10 +422,10 @@ class Trainer:
             self.step += 1
             if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < config.steps:
                 self.save_checkpoint()
-        self._complete_log()
         if progress:
             progress.close()
         if self.step < config.steps:
+            self._complete_log()   # save_checkpoint does it otherwise
             return None
         self.save_checkpoint()
         summary = self._summary(time.perf_counter() - run_start)
@@ -458,12 +457,10 @@ class Trainer:
     def _complete_log(self) -> None:
         """Before a checkpoint and when the run stops: the last step's reduce and update
         times have no next step to travel with, so one all-reduce fetches them (every rank)."""
-        times = torch.zeros(self.world, 2, dtype=torch.float64)
-        times[self.rank] = torch.tensor(self._previous_times, dtype=torch.float64)
-        dist.all_reduce(times)
+        times = gather_floats(self._previous_times)
         self._previous_times = (0.0, 0.0)
         if self.rank == 0:
-            self._complete_pending(times[:, 0].tolist(), times[:, 1].tolist())
+            self._complete_pending([reduce for reduce, _ in times], [update for _, update in times])
 
     def _summary(self, seconds: float) -> dict:
         model = self.rebalancer.rebalancer.model()
