@@ -18,14 +18,19 @@ about the last 40 steps).
 Two things keep the split from chasing noise. The predicted speed-up of the best
 split over the current one must exceed `threshold` (1% by default; Cannikin uses 5%,
 but a change costs nothing here but another count of samples per rank, while what a
-split leaves on the table is lost on every step) plus a noise margin: 1.5 times the
-largest relative standard error of a rank's estimate (sqrt(v_i/n) for a mean of n
-measurements, sqrt(v_i·α/(2−α)) for the average with weight α, v_i being the
-averaged squared relative deviation of one measurement). So on a quiet cluster the
-threshold alone decides, on a noisy one (CPU processes sharing cores) a gain must
-stand out of the noise, and the margin shrinks as measurements come in. The gain must
-hold on `patience` consecutive steps, and after a change no other change happens for
-`cooldown` steps (the new split's measurements have to come in first).
+split leaves on the table is lost on every step) with a noise margin on the ranks that
+would get more samples: each such rank's predicted time is taken 1.5 standard errors
+slower (of the difference between its estimate and the current slowest rank's; the
+relative standard error of an estimate is sqrt(v_i/n) for a mean of n measurements,
+sqrt(v_i·α/(2−α)) for the average with weight α, v_i being the averaged squared
+relative deviation of one measurement). A new split can only lose by loading a rank
+whose speed is over-estimated; the time the slowest rank saves by giving samples away
+is as certain as its own per-sample time, and a noisy rank whose share stays put holds
+nothing back. So on a quiet cluster the threshold alone decides, on a noisy one (CPU
+processes sharing cores) a move onto a rank must stand out of the noise, and the
+margin shrinks as measurements come in. The gain must hold on `patience` consecutive
+steps, and after a change no other change happens for `cooldown` steps (the new
+split's measurements have to come in first).
 
 A level shift is handled apart, at once: a measurement at least 25% and five of the
 rank's own standard deviations away from its estimate (a card that starts throttling,
@@ -41,6 +46,7 @@ slightly uneven one.
 
 import math
 import statistics
+from functools import partial
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,12 +69,12 @@ SHIFT_SIGMAS = 5.0
 VARIANCE_PRIOR = 0.1 ** 2
 PRIOR_WEIGHT = 1
 VARIANCE_MEMORY = 20
-# The noise margin in relative standard errors of the noisiest rank's estimate. Fed
-# noisy times of the benchmark cluster's speeds (51:51:25:12 samples/s, 96 per step; 40
-# seeds, first split from a timing with 5% noise), 1.5 with threshold 1% and smoothing
-# 0.05 left 0.7-1.3% of the step time on the table over 40 steps at 2-4% noise, against
-# 1.5-2.1% for 2 with threshold 2% and smoothing 0.2, and no more over 400 steps at
-# 10% noise (tests/test_balance_rebalancer.py checks one such case).
+# The noise margin in relative standard errors of the difference between a rank that
+# would get more samples and the current slowest one. Fed noisy times of the benchmark
+# cluster's speeds (51:51:25:12 samples/s, 96 per step; 40 seeds, first split from a
+# timing with 5% noise), 1.5 with threshold 1% and smoothing 0.05 left 0.6-1.8% of the
+# step time on the table over 40 steps at 2-10% noise, and 0.06-0.25% over 400 steps
+# (tests/test_balance_rebalancer.py checks such cases).
 MARGIN_ERRORS = 1.5
 
 
@@ -183,12 +189,27 @@ class Rebalancer:
         bound = max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
         return abs(math.log(speed / self.speeds[rank])) > bound
 
-    def required_gain(self) -> float:
-        """The threshold plus MARGIN_ERRORS relative standard errors of the noisiest
-        rank's estimate (a mean of n measurements, or the moving average)."""
+    def relative_errors(self) -> list[float]:
+        """Per rank, the relative standard error of its speed estimate: sqrt(v_i / n) for
+        a mean of n measurements, sqrt(v_i·α/(2−α)) for the moving average."""
         average = self.smoothing / (2 - self.smoothing)
-        variance = max(v * max(average, 1 / max(1, n)) for v, n in zip(self.variances, self.level_count))
-        return self.threshold + MARGIN_ERRORS * math.sqrt(variance)
+        return [math.sqrt(v * max(average, 1 / max(1, n))) for v, n in zip(self.variances, self.level_count)]
+
+    def _margins(self, current_times: list[float]) -> list[float]:
+        """Per rank, the factor its predicted time is taken slower by when it would get
+        more samples: 1 + MARGIN_ERRORS standard errors of the difference between its
+        estimate and the current slowest rank's. A split goes wrong only by loading a
+        rank whose speed is over-estimated, while the time a rank saves by giving samples
+        away is as certain as the rank's own per-sample time."""
+        errors = self.relative_errors()
+        slowest = errors[max(range(len(current_times)), key=current_times.__getitem__)]
+        return [1 + MARGIN_ERRORS * math.hypot(e, slowest) for e in errors]
+
+    def _confident_time(self, sizes: tuple[int, ...], model, margins: list[float]) -> float:
+        """The predicted step time of `sizes`, each rank that would get more samples than
+        now taken slower by its margin."""
+        times = predict_rank_times(sizes, model, self.memory_caps, self.policy)
+        return max(t * m if b > now else t for t, m, b, now in zip(times, margins, sizes, self.sizes))
 
     def decide(self) -> RebalanceDecision:
         """Solves for the best split under the current estimates; proposes it when its
@@ -196,10 +217,24 @@ class Rebalancer:
         outside the cool-down, or right after a level shift when it beats the threshold.
         Does not adopt it: call adopt with the decision's sizes."""
         model = self.model()
-        best = solve_split(self.global_batch, model, self.memory_caps, self.policy, min_per_rank=self.min_per_rank)
-        current = max(predict_rank_times(self.sizes, model, self.memory_caps, self.policy))
-        gain = current / best.step_time - 1
-        required = self.threshold if self.shifted else self.required_gain()
+        solve = partial(solve_split, self.global_batch, memory_caps=self.memory_caps, policy=self.policy,
+                        min_per_rank=self.min_per_rank)
+        best = solve(model)
+        current_times = predict_rank_times(self.sizes, model, self.memory_caps, self.policy)
+        current = max(current_times)
+        if self.shifted:   # right after a level shift the estimates are taken as they are
+            gain = current / best.step_time - 1
+            required = self.threshold
+        else:
+            # The gain must hold with the ranks that would get more samples taken slower.
+            # The best split under the estimates may load a noisy rank; the best one with
+            # every rank taken slower by its margin does so only where that still pays.
+            margins = self._margins(current_times)
+            cautious = solve([(a * m, c * m) for (a, c), m in zip(model, margins)])
+            candidates = [(self._confident_time(split.sizes, model, margins), split) for split in (best, cautious)]
+            confident, best = min(candidates, key=lambda candidate: candidate[0])   # the first on a tie
+            gain = current / max(predict_rank_times(best.sizes, model, self.memory_caps, self.policy)) - 1
+            required = self.threshold + gain - (current / confident - 1)
         if self.shifted and gain > required:
             self.streak = self.patience
         elif self.steps_since_change < self.cooldown or gain <= required:
