@@ -1,0 +1,60 @@
+"""What the rebalancer leaves on the table under noise, with no processes: the benchmark
+cluster's speeds (bench_hetero_cluster.py: 51 : 51 : 25 : 12 samples per second, 96
+samples per step), a first split from one timing with log-normal noise, then steps whose
+compute times carry log-normal noise of their own. Per setting, the mean over seeds of
+the true step time of the splits in use (each rank's samples over its true speed, the
+slowest rank's) over the best split's, minus 1, and the mean number of changes.
+
+    python benchmarks/bench_rebalancer_noise.py               # ~8 minutes on 2 cores
+    python benchmarks/bench_rebalancer_noise.py --seeds 10 --steps 40
+"""
+
+import argparse
+import math
+import random
+import statistics
+
+from hetcomm.balance.rebalancer import TRAINING_SETTINGS, Rebalancer
+from hetcomm.balance.solver import solve_split
+
+SPEEDS = [51.0, 51.0, 25.0, 12.0]
+GLOBAL_BATCH = 96
+
+
+def true_step_time(sizes) -> float:
+    return max(b / s for b, s in zip(sizes, SPEEDS))
+
+
+def run(first_noise: float, step_noise: float, steps: int, seed: int) -> tuple[float, int]:
+    """(mean true step time over the best one's, minus 1; number of changes) of one run."""
+    rng = random.Random(seed)
+    timed = [s * math.exp(rng.gauss(0, first_noise)) for s in SPEEDS]
+    first = solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in timed]).sizes
+    rebalancer = Rebalancer(GLOBAL_BATCH, first, **TRAINING_SETTINGS)
+    total, changes = true_step_time(first), 0
+    for _ in range(1, steps):
+        times = [b / s * math.exp(rng.gauss(0, step_noise)) for b, s in zip(rebalancer.sizes, SPEEDS)]
+        changes += rebalancer.observe(times).changed
+        total += true_step_time(rebalancer.sizes)
+    best = solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in SPEEDS]).step_time
+    return total / steps / best - 1, changes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=40)
+    parser.add_argument("--steps", type=int, nargs="+", default=[40, 400])
+    args = parser.parse_args()
+    print("| steps | first split's timing noise | step noise | excess over the best split | changes |")
+    print("|---|---|---|---|---|")
+    for steps in args.steps:
+        for first_noise in (0.05, 0.10):
+            for step_noise in (0.02, 0.04, 0.07, 0.10):
+                runs = [run(first_noise, step_noise, steps, seed) for seed in range(args.seeds)]
+                excess = statistics.fmean(r[0] for r in runs)
+                changes = statistics.fmean(r[1] for r in runs)
+                print(f"| {steps} | {first_noise:.0%} | {step_noise:.0%} | {excess:.2%} | {changes:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
