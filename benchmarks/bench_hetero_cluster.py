@@ -20,7 +20,6 @@ runs minutes apart.
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hetcomm.train.config import DEFAULT_CPU_SPEEDS
-from hetcomm.train.simulate import CORE_SHARE, fit_to_cores
+from hetcomm.train.simulate import CORE_SHARE, speeds_for_this_machine
 
 GLOBAL_BATCH = 96
 # Steps of about a second on 2 cores, so that the per-step collectives (~5 ms each with 4 Gloo
@@ -44,7 +43,7 @@ STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "h
 
 def simulated_speeds() -> str:
     """The trainer's default relative speeds, scaled down as its default run scales them."""
-    return ",".join(f"{s:.4g}" for s in fit_to_cores(DEFAULT_CPU_SPEEDS, os.cpu_count() or 1))
+    return speeds_for_this_machine(DEFAULT_CPU_SPEEDS)
 
 
 def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:

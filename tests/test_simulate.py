@@ -5,7 +5,7 @@ core; a GPU rank's by its wall time."""
 import pytest
 
 from hetcomm.train import simulate
-from hetcomm.train.simulate import SimulatedSpeed, Slowdown, fit_to_cores
+from hetcomm.train.simulate import SimulatedSpeed, Slowdown, fit_to_cores, parse_speeds, speeds_for_this_machine
 
 
 class FakeClocks:
@@ -62,3 +62,9 @@ def test_fit_to_cores_scales_down_never_up():
     assert sum(fitted) == pytest.approx(0.75 * 2)
     assert fitted[0] / fitted[3] == pytest.approx(4.0)   # the ratios stay
     assert fit_to_cores([0.5, 0.25], cores=16) == [0.5, 0.25]
+
+
+def test_speeds_for_this_machine_is_what_parse_speeds_reads_back(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    text = speeds_for_this_machine([1.0, 1.0, 0.5, 0.25])
+    assert parse_speeds(text, 4) == pytest.approx(fit_to_cores([1.0, 1.0, 0.5, 0.25], cores=2), rel=1e-3)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from hetcomm.train.checkpoint import CheckpointError, load_checked
 from hetcomm.train.config import (DEFAULT_CPU_RANKS, DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu,
                                   from_args, parser, validate)
-from hetcomm.train.simulate import fit_to_cores
+from hetcomm.train.simulate import speeds_for_this_machine
 
 
 def _free_port() -> int:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         world = torch.cuda.device_count() if use_cuda else DEFAULT_CPU_RANKS
         if not use_cuda and config.speeds is None:
             # The built-in default: a simulated heterogeneous cluster that fits this machine.
-            config.speeds = ",".join(f"{s:.4g}" for s in fit_to_cores(DEFAULT_CPU_SPEEDS, os.cpu_count() or 1))
+            config.speeds = speeds_for_this_machine(DEFAULT_CPU_SPEEDS)
     try:
         if world < 1:
             raise ValueError(f"--nproc must be at least 1; got {world}")

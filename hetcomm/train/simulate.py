@@ -11,6 +11,7 @@ simulated speeds stay what they were set to whatever split the balancer picks. A
 a device of its own, and its compute is timed by the wall clock.
 """
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,11 @@ def fit_to_cores(relative: Sequence[float], cores: int, share: float = CORE_SHAR
     they would wait for one another's cores as no cluster of separate cards does."""
     scale = min(1.0, share * cores / sum(relative))
     return [scale * s for s in relative]
+
+
+def speeds_for_this_machine(relative: Sequence[float]) -> str:
+    """The --speeds text for `relative` speed factors fitted to this machine's cores."""
+    return ",".join(f"{s:.4g}" for s in fit_to_cores(relative, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
