@@ -147,8 +147,12 @@ def test_state_dict_resumes_the_same_decisions():
     ([0.4, -1.0, 0.4, 0.4], r"compute_times\[1\] = -1.0"),
 ])
 def test_bad_times(times, message):
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    simulate(rebalancer, lambda step: SPEEDS, steps=5, noise=0.05)
+    before = rebalancer.state_dict()
     with pytest.raises(ValueError, match=message):
-        Rebalancer(GLOBAL_BATCH, BALANCED).update(times)
+        rebalancer.update(times)
+    assert rebalancer.state_dict() == before   # no rank's good time folded in before the bad one was found
 
 
 @pytest.mark.parametrize("args, kwargs, message", [

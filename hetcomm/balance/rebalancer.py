@@ -148,15 +148,16 @@ class Rebalancer:
         this step has nothing to measure and keeps its estimate."""
         if len(compute_times) != len(self.sizes):
             raise ValueError(f"compute_times has {len(compute_times)} entries for {len(self.sizes)} ranks")
-        predicted = predict_rank_times(self.sizes, self.profiles, self.memory_caps, self.policy)
-        self.shifted = False
-        for i, (seconds, size) in enumerate(zip(compute_times, self.sizes)):
-            if size == 0:
-                continue
+        measured = [i for i, size in enumerate(self.sizes) if size > 0]   # a rank with no samples has no time
+        for i in measured:   # all checked before any is folded in: a bad time leaves the estimates as they were
+            seconds = compute_times[i]
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
-                                 f"(rank {i} processed {size} samples)")
-            self._measure(i, predicted[i] / seconds)
+                                 f"(rank {i} processed {self.sizes[i]} samples)")
+        predicted = predict_rank_times(self.sizes, self.profiles, self.memory_caps, self.policy)
+        self.shifted = False
+        for i in measured:
+            self._measure(i, predicted[i] / compute_times[i])
         self.steps_since_change += 1
 
     def _measure(self, i: int, speed: float) -> None:
