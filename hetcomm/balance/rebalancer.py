@@ -46,9 +46,9 @@ slightly uneven one.
 
 import math
 import statistics
-from functools import partial
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from hetcomm.balance.solver import predict_rank_times, solve_split
 
@@ -206,11 +206,12 @@ class Rebalancer:
         slowest = errors[max(range(len(current_times)), key=current_times.__getitem__)]
         return [1 + MARGIN_ERRORS * math.hypot(e, slowest) for e in errors]
 
-    def _confident_time(self, sizes: tuple[int, ...], model, margins: list[float]) -> float:
-        """The predicted step time of `sizes`, each rank that would get more samples than
-        now taken slower by its margin."""
+    def _predict(self, sizes: tuple[int, ...], model, margins: list[float]) -> tuple[float, float]:
+        """The predicted step time of `sizes`, and the same with each rank that would get
+        more samples than now taken slower by its margin."""
         times = predict_rank_times(sizes, model, self.memory_caps, self.policy)
-        return max(t * m if b > now else t for t, m, b, now in zip(times, margins, sizes, self.sizes))
+        confident = max(t * m if b > now else t for t, m, b, now in zip(times, margins, sizes, self.sizes))
+        return max(times), confident
 
     def decide(self) -> RebalanceDecision:
         """Solves for the best split under the current estimates; proposes it when its
@@ -223,8 +224,10 @@ class Rebalancer:
         best = solve(model)
         current_times = predict_rank_times(self.sizes, model, self.memory_caps, self.policy)
         current = max(current_times)
-        if self.shifted:   # right after a level shift the estimates are taken as they are
-            gain = current / best.step_time - 1
+        gain = current / best.step_time - 1
+        # Right after a level shift the estimates are taken as they are; when the best split is
+        # the current one there is nothing to gain (no other split is more certain to).
+        if self.shifted or best.sizes == self.sizes:
             required = self.threshold
         else:
             # The gain must hold with the ranks that would get more samples taken slower.
@@ -232,9 +235,9 @@ class Rebalancer:
             # every rank taken slower by its margin does so only where that still pays.
             margins = self._margins(current_times)
             cautious = solve([(a * m, c * m) for (a, c), m in zip(model, margins)])
-            candidates = [(self._confident_time(split.sizes, model, margins), split) for split in (best, cautious)]
-            confident, best = min(candidates, key=lambda candidate: candidate[0])   # the first on a tie
-            gain = current / max(predict_rank_times(best.sizes, model, self.memory_caps, self.policy)) - 1
+            candidates = [(*self._predict(split.sizes, model, margins), split) for split in (best, cautious)]
+            predicted, confident, best = min(candidates, key=lambda candidate: candidate[1])   # the first on a tie
+            gain = current / predicted - 1
             required = self.threshold + gain - (current / confident - 1)
         if self.shifted and gain > required:
             self.streak = self.patience
