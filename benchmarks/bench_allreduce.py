@@ -37,7 +37,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,9 +47,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hetcomm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from distributed import free_port  # noqa: E402
+from hetcomm.train.launch import free_port
 
 COUNTS = [3, 7, 1, 13]
 # DDP's bucket sizes (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25).

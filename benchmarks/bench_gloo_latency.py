@@ -16,7 +16,6 @@ Rows (median over 31 rounds of rank 0's time, a barrier before each round):
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import datetime, timezone
@@ -24,6 +23,8 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hetcomm.train.launch import free_port
 
 ROUNDS = 31
 GRADIENT_ELEMENTS = 950_000          # GPT 2x192 with the byte vocabulary
@@ -64,12 +65,6 @@ def worker(rank: int, world: int, port: int, results) -> None:
     if rank == 0:
         results.update(rows)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -2,7 +2,6 @@
 each returned, or the error each raised, without hanging the test run."""
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hetcomm.train.launch import free_port
 
 
 def _rank_main(rank, world_size, port, fn, args, out_dir, group_timeout_s):

@@ -19,7 +19,8 @@ from hetcomm.train.config import (DEFAULT_CPU_RANKS, DEFAULT_CPU_SPEEDS, TrainCo
 from hetcomm.train.simulate import speeds_for_this_machine
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a local process group."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         _run_rank(int(os.environ["LOCAL_RANK"]) if use_cuda else int(os.environ["RANK"]), world, config, use_cuda,
                   None)
         return 0
-    mp.start_processes(_run_rank, args=(world, config, use_cuda, f"tcp://127.0.0.1:{_free_port()}"), nprocs=world,
+    mp.start_processes(_run_rank, args=(world, config, use_cuda, f"tcp://127.0.0.1:{free_port()}"), nprocs=world,
                        join=True, start_method="spawn")
     _print_summary(Path(config.out), config, world)
     return 0
