@@ -141,6 +141,17 @@ def test_state_dict_resumes_the_same_decisions():
     assert resumed.state_dict() == straight.state_dict()
 
 
+def test_speeds_are_measured_on_the_samples_each_rank_did():
+    """A handoff moves samples off the split: the times are of the samples done."""
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    done = (60, 20, 20, 10)
+    rebalancer.update([b / s for b, s in zip(done, SPEEDS)], done)
+    assert rebalancer.speeds == pytest.approx(SPEEDS)
+    with pytest.raises(ValueError, match=r"done = \[60, 60, 20, 10\]: expected 4 non-negative integers adding up "
+                                         r"to at most the global batch 110"):
+        rebalancer.update([0.4] * 4, (60, 60, 20, 10))
+
+
 @pytest.mark.parametrize("times, message", [
     ([0.4, 0.4, 0.4], r"compute_times has 3 entries for 4 ranks"),
     ([0.4, 0.4, float("nan"), 0.4], r"compute_times\[2\] = nan: expected a positive, finite number of seconds"),

@@ -143,6 +143,22 @@ def test_a_step_dealt_in_parts():
     assert draw(ranks, steps=2) == whole[1:]
 
 
+def test_every_rank_can_name_every_rank_s_samples_of_the_last_step():
+    """What a straggler hands off is named by position in its share: every rank must
+    see the same shares, also on an epoch's smaller last step."""
+    ranks = samplers(25, (4, 4, 2))
+    with pytest.raises(RuntimeError, match="no step has been drawn"):
+        ranks[0].drawn_indices(0)
+    for _ in range(3):
+        mine = [next(iter(s)) for s in ranks]
+        for s in ranks:
+            assert [s.drawn_indices(r) for r in range(3)] == mine
+        assert len({s.drawn_shares for s in ranks}) == 1
+    assert ranks[0].drawn_shares == (2, 2, 1)   # 25 = 2 x 10 + 5, split like 4 : 4 : 2
+    with pytest.raises(ValueError, match=r"rank = 3: expected an integer in \[0, 3\)"):
+        ranks[0].drawn_indices(3)
+
+
 def test_parts_must_make_up_a_full_step():
     ranks = samplers(50, (4, 4, 2))
     ranks[0].take((2, 2, 2))

@@ -26,7 +26,8 @@ class DistributedRebalancer:
         self.device = control_device(group)
         self.source = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def step(self, compute_time: float, all_times: list[float] | None = None) -> RebalanceDecision:
+    def step(self, compute_time: float, all_times: list[float] | None = None,
+             done: list[int] | None = None) -> RebalanceDecision:
         """Takes this rank's compute time for the step just done; returns the split for
         the next one (the same on every rank).
 
@@ -34,14 +35,15 @@ class DistributedRebalancer:
         rank validates the same numbers and a bad one raises the same error everywhere,
         not a hang; then one broadcast of rank 0's split as int64. A caller that has
         already gathered every rank's time (identical on all ranks) passes it as
-        all_times and saves the all-reduce. The predicted and required gains are known
-        on rank 0 only (NaN elsewhere)."""
+        all_times and saves the all-reduce; `done`, the samples each rank processed
+        when a handoff moved some (every rank's, as for all_times). The predicted and
+        required gains are known on rank 0 only (NaN elsewhere)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if all_times is None:
             all_times = [row[0] for row in gather_floats([compute_time], self.group)]
         elif len(all_times) != world:
             raise ValueError(f"all_times has {len(all_times)} entries for {world} ranks")
-        self.rebalancer.update(all_times)
+        self.rebalancer.update(all_times, done)
         decision = self.rebalancer.decide() if rank == 0 else None
         split = torch.tensor(decision.sizes if decision else self.rebalancer.sizes, dtype=torch.int64,
                              device=self.device)

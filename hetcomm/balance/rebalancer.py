@@ -142,19 +142,26 @@ class Rebalancer:
         """The current (fixed, per_sample) profiles: the profiled shape over the smoothed speed."""
         return [(a / s, c / s) for (a, c), s in zip(self.profiles, self.speeds)]
 
-    def update(self, compute_times: Sequence[float]) -> None:
-        """Folds one step's compute time per rank (seconds for that rank's samples of the
-        current split, excluding waits) into the speed estimates. A rank with no samples
-        this step has nothing to measure and keeps its estimate."""
+    def update(self, compute_times: Sequence[float], done: Sequence[int] | None = None) -> None:
+        """Folds one step's compute time per rank (seconds for that rank's samples,
+        excluding waits) into the speed estimates. `done`: the samples each rank
+        processed, when a handoff moved some off the current split. A rank with no
+        samples this step has nothing to measure and keeps its estimate."""
         if len(compute_times) != len(self.sizes):
             raise ValueError(f"compute_times has {len(compute_times)} entries for {len(self.sizes)} ranks")
-        measured = [i for i, size in enumerate(self.sizes) if size > 0]   # a rank with no samples has no time
+        if done is None:
+            done = self.sizes
+        elif len(done) != len(self.sizes) or not 0 < sum(done) <= self.global_batch or \
+                not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in done):
+            raise ValueError(f"done = {list(done)!r}: expected {len(self.sizes)} non-negative integers adding up to "
+                             f"at most the global batch {self.global_batch} (less on an epoch's smaller last step)")
+        measured = [i for i, size in enumerate(done) if size > 0]   # a rank with no samples has no time
         for i in measured:   # all checked before any is folded in: a bad time leaves the estimates as they were
             seconds = compute_times[i]
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
-                                 f"(rank {i} processed {self.sizes[i]} samples)")
-        predicted = predict_rank_times(self.sizes, self.profiles, self.memory_caps, self.policy)
+                                 f"(rank {i} processed {done[i]} samples)")
+        predicted = predict_rank_times(tuple(done), self.profiles, self.memory_caps, self.policy)
         self.shifted = False
         for i in measured:
             self._measure(i, predicted[i] / compute_times[i])

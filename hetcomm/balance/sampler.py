@@ -67,6 +67,7 @@ class WeightedDistributedSampler:
         self.epoch = 0
         self.cursor = 0    # permutation positions already dealt in this epoch
         self.partial = 0   # positions of the current step dealt so far by take()
+        self._drawn: tuple[torch.Tensor, int, tuple[int, ...]] | None = None  # the last step: order, start, shares
         self._permutation: tuple[int, torch.Tensor] | None = None
 
     @property
@@ -131,11 +132,30 @@ class WeightedDistributedSampler:
         while self.cursor < self.samples_per_epoch:
             batch = min(self.global_batch, self.samples_per_epoch - self.cursor)
             shares = self.sizes if batch == self.global_batch else proportional_shares(self.sizes, batch)
-            start = self.cursor + sum(shares[: self.rank])
-            indices = self.permutation()[start: start + shares[self.rank]].tolist()
+            self._drawn = (self.permutation(), self.cursor, tuple(shares))
+            indices = self.drawn_indices(self.rank)
             self.cursor += batch
             yield indices
         self.epoch, self.cursor = self.epoch + 1, 0
+
+    @property
+    def drawn_shares(self) -> tuple[int, ...]:
+        """Every rank's count in the step last drawn by iteration (the split, or on an
+        epoch's smaller last step its proportional shares)."""
+        if self._drawn is None:
+            raise RuntimeError("drawn_shares: no step has been drawn by iteration yet")
+        return self._drawn[2]
+
+    def drawn_indices(self, rank: int) -> list[int]:
+        """The indices `rank` got in the step last drawn by iteration (every rank can
+        tell every rank's: a straggler's samples handed to others are named by position)."""
+        if self._drawn is None:
+            raise RuntimeError("drawn_indices: no step has been drawn by iteration yet")
+        order, start, shares = self._drawn
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(shares):
+            raise ValueError(f"rank = {rank!r}: expected an integer in [0, {len(shares)})")
+        start += sum(shares[:rank])
+        return order[start: start + shares[rank]].tolist()
 
     def state_dict(self) -> dict:
         if self.partial:

@@ -48,15 +48,22 @@ def wait(work, timeout: timedelta | None, what: str) -> None:
         raise
 
 
-def gather_floats(values, group=None) -> list[list[float]]:
-    """Every rank's row of numbers, on every rank: one SUM all-reduce of a float64
-    [world, len(values)] table in which each rank fills its own row, so the rows arrive
-    exactly as sent. Every rank must pass as many values."""
+def launch_gather_floats(values, group=None) -> tuple[object, Tensor]:
+    """Starts gathering every rank's row of numbers onto every rank: one SUM all-reduce
+    of a float64 [world, len(values)] table in which each rank fills its own row, so the
+    rows arrive exactly as sent. Returns the collective's work and the table, which
+    holds the rows once the work is done. Every rank must pass as many values."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros(world, len(values), dtype=torch.float64)
     table[rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
     table = table.to(control_device(group))
-    dist.all_reduce(table, group=group)
+    return launch_all_reduce(table, group), table
+
+
+def gather_floats(values, group=None) -> list[list[float]]:
+    """Every rank's row of numbers, on every rank (launch_gather_floats, waited for)."""
+    work, table = launch_gather_floats(values, group)
+    work.wait()
     return table.tolist()
 
 
