@@ -96,6 +96,43 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
+def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(tmp_path):
+    # Rank 1 runs at a fiftieth of its speed from step 5 (three balanced steps have timed
+    # its check): after timing a quarter of its share it hands the rest to rank 0, and the
+    # rebalancer moves the split from step 6.
+    config = tiny_config(tmp_path, speeds="0.2,0.2", slowdown=["1:5:0.02"], global_batch=16, steps=7)
+    values(run_ranks(2, train, config, tmp_path=tmp_path))
+    steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
+    throttled = steps[5]
+    assert throttled["handoff"]["moved"] > 0
+    assert throttled["handoff"]["predicted_s"] < throttled["handoff"]["as_dealt_s"]
+    assert sum(throttled["samples"]) == 16 and throttled["samples"][1] < throttled["micro_batch"][1]
+    assert throttled["samples"][0] == throttled["micro_batch"][0] + throttled["handoff"]["moved"]
+    assert steps[6]["micro_batch"][1] < throttled["micro_batch"][1]
+    # Every window of every step once, weighted by who did it: the equal split's losses.
+    equal = values(run_ranks(2, train, replace(config, split="8,8", out=str(tmp_path / "equal")),
+                             tmp_path=tmp_path / "e"))[0]
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+    # Without the handoff the throttled step waits for rank 1's whole share.
+    plain = replace(config, handoff=False, out=str(tmp_path / "plain"))
+    values(run_ranks(2, train, plain, tmp_path=tmp_path / "p"))
+    waited = json.loads((Path(plain.out) / "steps.jsonl").read_text().splitlines()[5])
+    assert waited["handoff"] is None and waited["samples"] == waited["micro_batch"]
+
+
+def test_an_epoch_s_smaller_last_step_is_the_mean_over_its_windows(tmp_path):
+    # 20 windows of 16 tokens, 8 a step: steps of 8, 8 and 4 windows, then the next epoch.
+    corpus = tmp_path / "small.txt"
+    corpus.write_bytes(TEXT[: 20 * 16 + 1])
+    config = tiny_config(tmp_path, data=str(corpus), steps=4, equal_steps=0, split="3,5")
+    values(run_ranks(2, train, config, tmp_path=tmp_path))
+    steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
+    assert [sum(s["samples"]) for s in steps] == [8, 8, 4, 8]
+    equal = values(run_ranks(2, train, replace(config, split="4,4", out=str(tmp_path / "equal")),
+                             tmp_path=tmp_path / "e"))[0]
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+
+
 def train_and_keep_weights(rank, world, config):
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     trainer.run()

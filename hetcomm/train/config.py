@@ -40,6 +40,7 @@ class TrainConfig:
     balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
     equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
     rebalance_threshold: float = 0.01
+    handoff: bool = True          # dynamic: a straggler hands samples to the others within the step
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
     # the cluster
@@ -101,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
                           "from timing each rank on a part of the first step instead (default %(default)s)")
     bal.add_argument("--rebalance-threshold", type=float, default=d.rebalance_threshold,
                      help="adopt a new split only if it predicts this much less step time (default %(default)s)")
+    bal.add_argument("--no-handoff", dest="handoff", action="store_false",
+                     help="with --balance dynamic: do not let a rank that falls far behind within a step (a "
+                          "card that starts throttling) hand its remaining windows to the others in that step")
     bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "
                                      "overrides --balance")
     bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes gradient "

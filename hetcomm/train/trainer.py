@@ -4,7 +4,9 @@ reducer and the loss scaler, and owns nothing of their insides.
 Per optimizer step, on every rank:
   1. draw this rank's windows from the sampler by the current split (b_i of B);
   2. forward/backward per micro-batch (several when b_i is over the rank's memory cap),
-     the loss being the mean over the rank's target tokens times the loss scale;
+     the loss being the mean over the rank's target tokens times the loss scale; when
+     rebalancing, a quarter of the share first, then a report, so that a rank far behind
+     can hand the rest of its share to the others within the step (balance.handoff);
   3. (simulated clusters) wait so that the compute takes 1/speed of the time it needed;
   4. reduce: the gradient of the mean loss over all N target tokens, sum_i (n_i/N) g_i,
      with found_inf and the global norm (identical on every rank);
@@ -31,11 +33,12 @@ import torch.distributed as dist
 
 from hetcomm import ops
 from hetcomm.amp import AUTOCAST_DTYPES, DynamicLossScaler, compute_precision
-from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, probe_memory,
-                             solve_split)
+from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split,
+                             predict_rank_times, probe_memory, solve_split)
+from hetcomm.balance import handoff
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
-from hetcomm.comm.collectives import gather_floats
+from hetcomm.comm.collectives import gather_floats, launch_gather_floats, wait
 from hetcomm.train.checkpoint import load_checked, save_atomic
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, default_corpus, load_tokens
@@ -168,6 +171,14 @@ class Trainer:
                                                            **TRAINING_SETTINGS))
         self.split = start_split
         self.step = 0
+        # The handoff's reports travel while the ranks compute: on a CPU group, so that an
+        # NCCL collective does not sit on the GPU waiting for the straggler's report.
+        self.handoff = config.handoff and config.balance == "dynamic" and not self.fixed_split
+        self.control_group = None
+        if self.handoff and dist.get_backend() != "gloo":
+            self.control_group = dist.new_group(backend="gloo")
+        self.handed_off: handoff.Handoff | None = None   # the last step's handoff, if it made one
+        self.check_share = handoff.CheckShare()
         self.description = run_description(config, world, data_description, len(self.data))
         first_phase = "fixed split" if self.fixed_split else "equal split" if not probing else \
             "balanced" if config.balance == "dynamic" else "static split"
@@ -206,7 +217,7 @@ class Trainer:
                             min_per_rank=size).sizes
         # The part's gradients are of its mean loss; the step's are of the mean over all the
         # rank's split[rank] windows, which the rest of the step adds to.
-        torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], size / split[self.rank])
+        self._retarget_gradients(size, split[self.rank])
         self._first_part = FirstPart(size, loss_sum, seconds)
         self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank's part included
         return split
@@ -311,30 +322,88 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum.item()
 
+    def _retarget_gradients(self, samples: int, now: int) -> None:
+        """Gradients accumulated as of the mean loss over `samples` windows, made those of
+        the mean over `now` windows (the rest of which are still to be added)."""
+        if samples != now and now > 0:
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], samples / now)
+
+    def _timed_compute(self, indices: list[int], scale: float, tokens: int) -> tuple[float, float]:
+        """_compute at the rank's (simulated) speed; returns the summed loss and the seconds."""
+        start = time.perf_counter()
+        with self.speed.compute(self.step):
+            loss_sum = self._compute(indices, scale, tokens)
+        return loss_sum, time.perf_counter() - start
+
+    def _compute_with_handoff(self, indices: list[int], scale: float) -> tuple[float, float, int]:
+        """The rank's share, timed in two parts with a report in between (balance.handoff);
+        returns the summed loss, the compute seconds (no waits) and the samples done, its
+        own ones kept plus those taken on from a straggler."""
+        own, check = len(indices), handoff.check_size(len(indices))
+        loss_sum, compute = self._timed_compute(indices[:check], scale, own * self.config.block_size)
+        model = self.rebalancer.rebalancer.model()
+        planned = max(predict_rank_times(self.sampler.drawn_shares, model, self.caps))
+        mine = handoff.report(check, compute, own - check, self.check_share.value(), model[self.rank][1], planned)
+        work, table = launch_gather_floats(mine.row(), self.control_group)
+        reports = plan = None
+        if mine.giver:
+            reports, plan = self._read_reports(work, table)
+        kept = plan.kept[self.rank] if plan else own - check
+        self._retarget_gradients(own, check + kept)
+        more, seconds = self._timed_compute(indices[check:check + kept], scale, (check + kept) * self.config.block_size)
+        if kept == own - check:
+            self.check_share.add(check, compute, own, compute + seconds)
+        loss_sum, compute = loss_sum + more, compute + seconds
+        if not mine.giver:
+            reports, plan = self._read_reports(work, table)
+        done = check + kept
+        self.handed_off = plan
+        if plan and plan.received[self.rank]:
+            extra = []
+            for giver, first, count in plan.sources([r.remaining for r in reports], self.rank):
+                start = reports[giver].done + first
+                extra += self.sampler.drawn_indices(giver)[start:start + count]
+            self._retarget_gradients(done, done + len(extra))
+            done += len(extra)
+            more, seconds = self._timed_compute(extra, scale, done * self.config.block_size)
+            loss_sum, compute = loss_sum + more, compute + seconds
+        return loss_sum, compute, done
+
+    def _read_reports(self, work, table) -> tuple[list[handoff.Report], handoff.Handoff | None]:
+        wait(work, self.reducer.timeout, "the trainer: the handoff reports")
+        reports = [handoff.Report.from_row(row) for row in table.tolist()]
+        return reports, handoff.plan(reports)
+
     def train_step(self) -> StepStats:
         config = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(config, self.step)
         scale = self.scaler.scale if self.scaler else 1.0
         first, self._first_part = self._first_part, None
-        if first is None:
+        self.handed_off = None
+        if first is not None:   # the rest of the step whose first part timed the ranks; its gradients stay
+            indices = self.sampler.take([b - first.samples for b in self.split])
+            more, seconds = self._timed_compute(indices, scale, (first.samples + len(indices)) * config.block_size)
+            loss_sum, compute, samples = first.loss_sum + more, first.compute + seconds, first.samples + len(indices)
+            step_samples = config.global_batch
+        else:
             indices = self._draw()
             self.model.zero_grad(set_to_none=True)
-            done = FirstPart(0, 0.0, 0.0)
-        else:   # the rest of the step whose first part timed the ranks; its gradients stay
-            indices = self.sampler.take([b - first.samples for b in self.split])
-            done = first
-        tokens = (done.samples + len(indices)) * config.block_size
-        start = time.perf_counter()
-        with self.speed.compute(self.step):
-            loss_sum = done.loss_sum + self._compute(indices, scale, tokens)
-        compute = done.compute + time.perf_counter() - start
+            # Not in an equal phase: that is the baseline, and the first profile.
+            if self.handoff and self.step >= config.equal_steps:
+                loss_sum, compute, samples = self._compute_with_handoff(indices, scale)
+            else:
+                loss_sum, compute = self._timed_compute(indices, scale, len(indices) * config.block_size)
+                samples = len(indices)
+            step_samples = sum(self.sampler.drawn_shares)   # an epoch's last step may be smaller
+        tokens = samples * config.block_size
 
         start = time.perf_counter()
-        # Every window's block_size targets carry loss, so N is the global batch's token
-        # count on every rank: passing the weight n_i / N, rather than n_i for the ranks to
-        # add up first, lets the agreement on the weights travel beside the buckets.
-        result = self.reducer.reduce(tokens / (config.global_batch * config.block_size), loss_scale=scale,
+        # Every window's block_size targets carry loss, so N is the step's token count on
+        # every rank: passing the weight n_i / N, rather than n_i for the ranks to add up
+        # first, lets the agreement on the weights travel beside the buckets (which checks
+        # that the weights add up to 1: a handoff planned differently on two ranks stops).
+        result = self.reducer.reduce(tokens / (step_samples * config.block_size), loss_scale=scale,
                                      gather=[compute, loss_sum, tokens, *self._previous_times])
         found_inf = bool(result.found_inf.item())
         update_start = time.perf_counter()
@@ -362,7 +431,8 @@ class Trainer:
         they add mostly one-time costs (allocator growth, thread pools, autotuning; 10%
         on CPU), which would inflate the noise estimate that holds the next change back."""
         skip = self.step == 0 and self.probed
-        decision = None if skip else self.rebalancer.step(stats.compute, compute_times)
+        done = [round(t) // self.config.block_size for t in stats.everyone[:, 2].tolist()]
+        decision = None if skip else self.rebalancer.step(stats.compute, compute_times, done)
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -438,11 +508,16 @@ class Trainer:
         """The step's log line as far as it is known on this step (rank 0)."""
         found_inf, grad_norm, scale = self._last_reduce
         compute = everyone[:, 0].tolist()
+        samples = [round(t) // self.config.block_size for t in everyone[:, 2].tolist()]
         return {
             "step": self.step, "simulated": self.simulated, "phase": phase,
             "loss": everyone[:, 1].sum().item() / everyone[:, 2].sum().item(),
-            "micro_batch": list(split), "compute_s": compute,
-            "samples_per_second": [b / t if t > 0 and b > 0 else 0.0 for b, t in zip(split, compute)],
+            "micro_batch": list(split), "samples": samples, "compute_s": compute,
+            # A handoff: the samples it moved, and the step's compute as it predicted it with and without.
+            "handoff": None if self.handed_off is None else {
+                "moved": self.handed_off.moved, "predicted_s": self.handed_off.step_seconds,
+                "as_dealt_s": self.handed_off.without_seconds},
+            "samples_per_second": [b / t if t > 0 and b > 0 else 0.0 for b, t in zip(samples, compute)],
             "loss_scale": scale, "skipped": found_inf, "grad_norm": grad_norm,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
