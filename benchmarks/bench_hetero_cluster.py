@@ -4,15 +4,17 @@ time to train the same number of tokens on 4 CPU workers whose speeds relate as 
 
   (a) an equal split (plain DDP, HetSeq),
   (b) a static split from one quick timing of each rank (FastSpeed-style),
-  (c) hetcomm's balancer: the same first split, then rebalancing while training,
+  (c) hetcomm's balancer: the same first split, then rebalancing while training, and a
+      rank far behind within a step handing its remaining windows to the others,
 
 each once as is and once with rank 1 slowing to a quarter of its speed half-way (a
-card that starts throttling). The ideal bound: per step, the global batch over the sum
-of the ranks' median measured throughputs (in each regime, before and after the
-slowdown), with no communication and no update at all; once from the rebalancing
-run's throughputs (every rank busy all step: the one bound the strategies are compared
-against), and once from each run's own, since a shared machine's speed drifts between
-runs minutes apart.
+card that starts throttling); with the slowdown, (c) also without the handoff, to show
+what catching the slow step within itself buys over reacting on the next. The ideal
+bound: per step, the global batch over the sum of the ranks' median measured
+throughputs (in each regime, before and after the slowdown), with no communication and
+no update at all; once from the rebalancing run's throughputs (every rank busy all
+step: the one bound the strategies are compared against), and once from each run's
+own, since a shared machine's speed drifts between runs minutes apart.
 
     python benchmarks/bench_hetero_cluster.py                 # ~9 minutes on 2 cores
     python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
@@ -38,7 +40,10 @@ GLOBAL_BATCH = 96
 # processes on 2 cores) are a few percent of a step.
 MODEL = ["--n-layer", "2", "--n-embd", "192", "--n-head", "4", "--block-size", "128", "--global-batch",
          str(GLOBAL_BATCH), "--equal-steps", "0"]
-STRATEGIES = {"equal split": "equal", "static split (one profile)": "static", "hetcomm rebalancing": "dynamic"}
+STRATEGIES = {"equal split": ["--balance", "equal"], "static split (one profile)": ["--balance", "static"],
+              "hetcomm rebalancing": ["--balance", "dynamic"]}
+# With a slowdown only: the rebalancer alone, one step late.
+WITHOUT_HANDOFF = {"hetcomm rebalancing, no handoff": ["--balance", "dynamic", "--no-handoff"]}
 
 
 def simulated_speeds() -> str:
@@ -46,9 +51,9 @@ def simulated_speeds() -> str:
     return speeds_for_this_machine(DEFAULT_CPU_SPEEDS)
 
 
-def run(strategy: str, steps: int, slowdown: str | None, out: Path) -> dict:
+def run(strategy: list[str], steps: int, slowdown: str | None, out: Path) -> dict:
     command = [sys.executable, "-m", "hetcomm", "train", "--speeds", simulated_speeds(), "--steps", str(steps),
-               "--balance", strategy, "--out", str(out), "--no-progress", *MODEL]
+               *strategy, "--out", str(out), "--no-progress", *MODEL]
     if slowdown:
         command += ["--slowdown", slowdown]
     subprocess.run(command, check=True, capture_output=True, text=True)
@@ -81,9 +86,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
             results = {}
-            for label, strategy in STRATEGIES.items():
+            strategies = {**STRATEGIES, **(WITHOUT_HANDOFF if slowdown else {})}
+            for number, (label, strategy) in enumerate(strategies.items()):
                 start = time.perf_counter()
-                result = run(strategy, args.steps, slowdown, Path(tmp) / f"{strategy}-{bool(slowdown)}")
+                result = run(strategy, args.steps, slowdown, Path(tmp) / f"{number}-{bool(slowdown)}")
                 # The timed part of the first step (--equal-steps 0) and the untimed run before it count.
                 train_seconds = sum(s["step_s"] for s in result["steps"]) + result["summary"]["probe_s"]
                 results[label] = (train_seconds, time.perf_counter() - start, result)
