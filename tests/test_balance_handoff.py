@@ -135,6 +135,8 @@ def test_bad_reports(seconds, model_rate, message):
 
 def test_check_size():
     assert [check_size(b) for b in (0, 1, 3, 4, 5, 36)] == [0, 1, 1, 1, 2, 9]
+    # Over a memory cap the share runs as micro-batches anyway: the first one is the check.
+    assert [check_size(b, cap=8) for b in (0, 5, 8, 9, 36)] == [0, 2, 2, 8, 8]
 
 
 def test_sources_of_a_receiver_that_takes_from_two_givers():

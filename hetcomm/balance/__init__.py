@@ -1,6 +1,7 @@
 """Giving each rank the share of the global batch it can finish in time: per-rank
 step-time profiles and memory caps, the exact min-max split, rebalancing while
-training, and a sampler that deals one permutation per epoch by the current split.
+training, a straggler's handoff within a step, and a sampler that deals one
+permutation per epoch by the current split.
 Knows nothing of models or of the trainer; torch.distributed is used only to agree on
 a rebalanced split."""
 

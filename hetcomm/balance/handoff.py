@@ -56,9 +56,12 @@ CHECK_SHARE_LEAST = 3
 REPORT_FIELDS = ("done", "seconds", "remaining", "rate", "pass_seconds", "giver")
 
 
-def check_size(samples: int) -> int:
+def check_size(samples: int, cap: int | None = None) -> int:
     """The samples a rank with `samples` in the step times before it reports: a
-    quarter, at least one (none when it has none)."""
+    quarter, at least one (none when it has none); over a memory `cap`, its first
+    micro-batch, so that the check costs no pass of its own."""
+    if cap is not None and samples > cap:
+        return cap
     return 0 if samples == 0 else max(1, math.ceil(samples * CHECK_FRACTION))
 
 

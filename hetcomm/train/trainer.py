@@ -339,7 +339,8 @@ class Trainer:
         """The rank's share, timed in two parts with a report in between (balance.handoff);
         returns the summed loss, the compute seconds (no waits) and the samples done, its
         own ones kept plus those taken on from a straggler."""
-        own, check = len(indices), handoff.check_size(len(indices))
+        own = len(indices)
+        check = handoff.check_size(own, self.caps[self.rank] if self.caps else None)
         loss_sum, compute = self._timed_compute(indices[:check], scale, own * self.config.block_size)
         model = self.rebalancer.rebalancer.model()
         planned = max(predict_rank_times(self.sampler.drawn_shares, model, self.caps))
