@@ -247,7 +247,7 @@ def test_bad_profiles(tmp_path, damage, message):
 def test_simulation_without_noise_or_slowdown_keeps_the_optimal_plan(catalog):
     plan = plan_for(catalog, "2x1080ti,1xv100,4xt4")
     result = simulate(plan, 30, noise=0.0)
-    assert result.rebalances == () and result.final_sizes == plan.split.sizes
+    assert result.rebalances == () and result.handoffs == () and result.final_sizes == plan.split.sizes
     assert result.static_s == pytest.approx(30 * plan.step_s)
     assert result.rebalanced_s == pytest.approx(result.static_s) and result.ideal_s == pytest.approx(result.static_s)
 
@@ -259,6 +259,9 @@ def test_simulation_follows_a_slowdown(catalog):
     assert result.rebalances and all(r.step >= 40 for r in result.rebalances)
     assert result.final_sizes[2] < plan.split.sizes[2]      # the throttled V100 gets less
     assert result.ideal_s < result.rebalanced_s < 0.9 * result.static_s
+    # The V100 at 0.4 of its speed is a straggler in step 40: it hands samples off within it.
+    assert result.handoffs == (40,)
+    assert result.rebalanced_step_s[40] < 0.8 * result.static_step_s[40]
     assert simulate(plan, 100, noise=0.03, slowdowns=slowdown, seed=1) == result   # seeded: reproducible
     with pytest.raises(ValueError, match="rank 9 does not exist; the plan has 7"):
         simulate(plan, 10, slowdowns=(Slowdown(9, 1, 0.5),))

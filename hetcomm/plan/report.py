@@ -125,6 +125,7 @@ def simulation_dict(simulation: Simulation) -> dict:
             "static_s": simulation.static_s, "rebalanced_s": simulation.rebalanced_s, "ideal_s": simulation.ideal_s,
             "rebalances": [{"step": r.step, "predicted_gain": r.predicted_gain, "sizes": list(r.sizes)}
                            for r in simulation.rebalances],
+            "handoffs": list(simulation.handoffs),
             "final_sizes": list(simulation.final_sizes), "static_step_s": list(simulation.static_step_s),
             "rebalanced_step_s": list(simulation.rebalanced_step_s)}
 
@@ -134,7 +135,8 @@ def simulation_text(simulation: Simulation, plan: Plan) -> str:
     lines = [f"SIMULATED {simulation.steps} steps (noise {simulation.noise:.0%}, slowdowns: {slowdowns}):",
              f"  planned split kept:  {simulation.static_s:10.1f} s",
              f"  with rebalancing:    {simulation.rebalanced_s:10.1f} s "
-             f"({simulation.rebalanced_s / simulation.static_s - 1:+.1%} against kept)",
+             f"({simulation.rebalanced_s / simulation.static_s - 1:+.1%} against kept; a straggler handed "
+             f"samples off within {len(simulation.handoffs)} step(s))",
              f"  ideal (true speeds): {simulation.ideal_s:10.1f} s "
              f"(rebalancing is {simulation.rebalanced_s / simulation.ideal_s - 1:+.1%} over it)"]
     for event in simulation.rebalances[:20]:

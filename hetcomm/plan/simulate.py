@@ -6,14 +6,16 @@ Each step, rank i's true compute time is the plan's t_i(b_i) divided by its spee
 factor (1, times every slowdown that has started) and multiplied by exp(noise·z),
 z standard normal: the same draws for both policies, so their difference is the
 policy's alone. A step costs the slowest rank's compute plus the plan's exposed
-all-reduce and update."""
+all-reduce and update. The rebalancing policy also hands a straggler's samples off
+within the step as the trainer does (hetcomm.balance.handoff), its check and rest timed
+in proportion to their samples."""
 
 import math
 from dataclasses import dataclass
 
 import torch
 
-from hetcomm.balance import Rebalancer, predict_rank_times, solve_split
+from hetcomm.balance import Rebalancer, handoff, predict_rank_times, solve_split
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.plan.planner import Plan
 from hetcomm.train.simulate import Slowdown
@@ -35,6 +37,7 @@ class Simulation:
     rebalanced_s: float    # the rebalancer following the measurements
     ideal_s: float         # the best split for the true speeds of each step, without noise
     rebalances: tuple[Rebalance, ...]
+    handoffs: tuple[int, ...]  # the steps in which a straggler handed samples off
     final_sizes: tuple[int, ...]
     static_step_s: tuple[float, ...]
     rebalanced_step_s: tuple[float, ...]
@@ -43,6 +46,26 @@ class Simulation:
 def _observed(sizes: tuple[int, ...], profiles: list, caps: list, slowness: torch.Tensor) -> list[float]:
     """Each rank's compute time for `sizes` this step: the model's, stretched."""
     return (torch.tensor(predict_rank_times(sizes, profiles, caps), dtype=torch.float64) * slowness).tolist()
+
+
+def _handed_off(rebalancer: Rebalancer, measured: list[float], rates: list[float],
+                caps: list) -> tuple[float, tuple[int, ...], bool]:
+    """The step's compute seconds and the samples each rank did under the trainer's
+    handoff, for compute times `measured` at the current split; `rates`: seconds per
+    sample of a rank with no samples."""
+    sizes = rebalancer.sizes
+    planned = max(predict_rank_times(sizes, rebalancer.model(), caps))
+    reports = []
+    for b, t, rate in zip(sizes, measured, rates):
+        check = handoff.check_size(b)
+        per_sample = t / b if b else rate
+        late = b > check and t > (1 + handoff.GIVER_THRESHOLD) * planned
+        reports.append(handoff.Report(check, check * per_sample, b - check, per_sample, 0.0, late))
+    found = handoff.plan(reports)
+    if found is None:
+        return max(measured), sizes, False
+    done = tuple(r.done + kept + taken for r, kept, taken in zip(reports, found.kept, found.received))
+    return found.step_seconds, done, True
 
 
 def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Slowdown, ...] = (), seed: int = 0,
@@ -62,7 +85,7 @@ def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Sl
     rebalancer = Rebalancer(plan.global_batch, plan.split.sizes, profiles, memory_caps=caps, threshold=threshold,
                             **TRAINING_SETTINGS)
     generator = torch.Generator().manual_seed(seed)
-    static_times, rebalanced_times, rebalances = [], [], []
+    static_times, rebalanced_times, rebalances, handoffs = [], [], [], []
     ideal_total, ideal_cache = 0.0, {}
     for step in range(steps):
         speed = torch.ones(ranks, dtype=torch.float64)
@@ -73,8 +96,15 @@ def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Sl
         static = _observed(plan.split.sizes, profiles, caps, slowness)
         static_times.append(max(static) + overhead)
         measured = _observed(rebalancer.sizes, profiles, caps, slowness)
-        rebalanced_times.append(max(measured) + overhead)
-        decision = rebalancer.observe(measured)
+        rates = [c * float(slow) for (_, c), slow in zip(profiles, slowness)]
+        compute, done, handed = _handed_off(rebalancer, measured, rates, caps)
+        rebalanced_times.append(compute + overhead)
+        if handed:
+            handoffs.append(step)
+            measured = _observed(done, profiles, caps, slowness)
+        rebalancer.update(measured, done)
+        decision = rebalancer.decide()
+        rebalancer.adopt(decision.sizes)
         if decision.changed:
             rebalances.append(Rebalance(step, decision.predicted_gain, decision.sizes))
         key = tuple(speed.tolist())
@@ -84,5 +114,6 @@ def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Sl
         ideal_total += ideal_cache[key]
     return Simulation(steps=steps, noise=noise, slowdowns=tuple(slowdowns), static_s=sum(static_times),
                       rebalanced_s=sum(rebalanced_times), ideal_s=ideal_total, rebalances=tuple(rebalances),
+                      handoffs=tuple(handoffs),
                       final_sizes=rebalancer.sizes, static_step_s=tuple(static_times),
                       rebalanced_step_s=tuple(rebalanced_times))
