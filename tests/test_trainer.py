@@ -267,14 +267,17 @@ def test_command_line_run_and_report(tmp_path):
     (tmp_path / "corpus.txt").write_bytes(TEXT)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "hetcomm", "train", "--nproc", "2", "--speeds", "1,0.5",
-                          "--steps", "6", "--equal-steps", "2", "--global-batch", "8", "--block-size", "16",
+                          "--slowdown", "1:5:0.02",
+                          "--steps", "7", "--equal-steps", "2", "--global-batch", "16", "--block-size", "16",
                           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--data", str(tmp_path / "corpus.txt"),
                           "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "SIMULATED cluster of 2 CPU workers" in run.stdout and "balanced vs equal split" in run.stdout
+    assert "slowdowns 1:5:0.02" in run.stdout and "a rank far behind handed" in run.stdout
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    assert len(steps) == 6 and all(s["simulated"] for s in steps)
-    assert all(sum(s["micro_batch"]) == 8 for s in steps)
+    assert len(steps) == 7 and all(s["simulated"] for s in steps)
+    assert steps[5]["handoff"]["moved"] > 0   # rank 1 at a fiftieth of its speed from step 5
+    assert all(sum(s["micro_batch"]) == sum(s["samples"]) == 16 for s in steps)
     assert all(len(s["update_s"]) == 2 for s in steps)
     header = json.loads((out / "run.json").read_text())
     assert [r["device"] for r in header["ranks"]] == ["cpu", "cpu"] and header["vocab_size"] == 256
@@ -284,7 +287,7 @@ def test_command_line_run_and_report(tmp_path):
                           capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
     planned = json.loads(plan.stdout)
-    assert [d["samples"] for d in planned["devices"]] and sum(d["samples"] for d in planned["devices"]) == 8
+    assert [d["samples"] for d in planned["devices"]] and sum(d["samples"] for d in planned["devices"]) == 16
     assert all(d["source"] == "measured" for d in planned["devices"])
     report = subprocess.run([sys.executable, "-m", "hetcomm", "report", str(out)], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr

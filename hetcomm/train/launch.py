@@ -78,6 +78,11 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
                   f"(same global batch, same gradient)")
     print(f"  ideal bound from the measured speeds: {summary['ideal_step_s']:.3f} s of compute per step; "
           f"final split {'/'.join(map(str, summary['final_split']))}")
+    handoffs = [s for s in steps if s.get("handoff")]
+    if handoffs:
+        listed = ", ".join(str(s["step"]) for s in handoffs[:10]) + (", ..." if len(handoffs) > 10 else "")
+        print(f"  a rank far behind handed {sum(s['handoff']['moved'] for s in handoffs)} windows to the others "
+              f"within {len(handoffs)} step(s) (step {listed})")
     print(f"  loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}; log {out / 'steps.jsonl'}; "
           f"checkpoint {out / 'checkpoint.pt'}; plots: hetcomm report {out}")
 
