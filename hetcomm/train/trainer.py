@@ -432,8 +432,8 @@ class Trainer:
         they add mostly one-time costs (allocator growth, thread pools, autotuning; 10%
         on CPU), which would inflate the noise estimate that holds the next change back."""
         skip = self.step == 0 and self.probed
-        done = [round(t) // self.config.block_size for t in stats.everyone[:, 2].tolist()]
-        decision = None if skip else self.rebalancer.step(stats.compute, compute_times, done)
+        decision = None if skip else self.rebalancer.step(stats.compute, compute_times,
+                                                          self._samples_done(stats.everyone))
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -505,11 +505,16 @@ class Trainer:
             self.log.close()
         return summary
 
+    def _samples_done(self, everyone: torch.Tensor) -> list[int]:
+        """The windows each rank did in the step (a handoff moves some off the split),
+        from the target tokens gathered with its weights."""
+        return [round(t) // self.config.block_size for t in everyone[:, 2].tolist()]
+
     def _log_line(self, everyone: torch.Tensor, split: tuple[int, ...], phase: str) -> dict:
         """The step's log line as far as it is known on this step (rank 0)."""
         found_inf, grad_norm, scale = self._last_reduce
         compute = everyone[:, 0].tolist()
-        samples = [round(t) // self.config.block_size for t in everyone[:, 2].tolist()]
+        samples = self._samples_done(everyone)
         return {
             "step": self.step, "simulated": self.simulated, "phase": phase,
             "loss": everyone[:, 1].sum().item() / everyone[:, 2].sum().item(),
