@@ -1,9 +1,9 @@
 """Handing a straggler's samples to the other ranks within the step it straggles in.
 
 The rebalancer reacts to a card that starts throttling on the step after: the step in
-which it happens runs at the old split, and every other rank waits for the slow one
-(at a quarter of its speed, three times the step). The handoff catches it inside the
-step. Every rank times a first part of its share (its check), then reports: how many
+which it happens runs at the old split, and every other rank waits for the slow one (a
+bottleneck card at a quarter of its speed makes that step four times as long). The
+handoff catches it inside the step. Every rank times a first part of its share (its check), then reports: how many
 samples it has done, in how many seconds, how many of its own are left, what one more
 pass and one more sample would cost it now, and whether it is a giver, a rank whose
 predicted finish is over the step's planned time by more than a threshold. The
