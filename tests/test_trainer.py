@@ -222,6 +222,22 @@ def test_resumed_run_continues_exactly(tmp_path):
     assert resumed == original[3:]  # bit for bit: same data, same order, same state
 
 
+def shares_saved_and_resumed(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run(until=5)
+    trainer.save_checkpoint()
+    saved = list(trainer.check_share.recent)
+    resumed = Trainer(replace(config, resume=str(trainer.checkpoint_path), out=str(Path(config.out).with_name("r"))),
+                      rank, world, torch.device("cpu"))
+    return saved, list(resumed.check_share.recent)
+
+
+def test_a_resumed_run_keeps_each_rank_s_handoff_check_shares(tmp_path):
+    config = tiny_config(tmp_path, speeds="0.5,0.25", global_batch=16, steps=8)
+    for saved, resumed in values(run_ranks(2, shares_saved_and_resumed, config, tmp_path=tmp_path)):
+        assert saved and resumed == saved   # steps 2-4 timed checks: a resumed run can hand off at once
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--speeds", "1,fast"], "--speeds '1,fast': expected comma-separated numbers"),
     (["--speeds", "1,1,1"], "--speeds '1,1,1': 3 values for 2 ranks"),

@@ -560,14 +560,16 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self._complete_log()
-        rng = [None] * self.world
-        dist.all_gather_object(rng, torch.get_rng_state())
+        # What each rank holds of its own: its random stream, and its handoff checks' shares.
+        mine = [None] * self.world
+        dist.all_gather_object(mine, (torch.get_rng_state(), list(self.check_share.recent)))
+        rng, check_shares = [m[0] for m in mine], [m[1] for m in mine]
         if self.rank == 0:
             save_atomic({"run": self.description, "step": self.step, "model": self._model_state(),
                          "optimizer": self.optimizer.state_dict(),
                          "scaler": self.scaler.state_dict() if self.scaler else None,
                          "sampler": self.sampler.state_dict(), "rebalancer": self.rebalancer.rebalancer.state_dict(),
-                         "split": list(self.split), "rng": rng,
+                         "split": list(self.split), "rng": rng, "check_shares": check_shares,
                          "phases": [[p.name, p.step_seconds] for p in self.phases]},
                         self.checkpoint_path)
         dist.barrier()
@@ -593,3 +595,5 @@ class Trainer:
         self.step = int(state["step"])
         self.phases = [Phase(name, list(seconds)) for name, seconds in state["phases"]]
         torch.set_rng_state(state["rng"][self.rank])
+        # Checkpoints from before the handoff have none: the shares are measured again.
+        self.check_share.recent = [float(r) for r in state.get("check_shares", [[]] * self.world)[self.rank]]
