@@ -81,8 +81,9 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
     handoffs = [s for s in steps if s.get("handoff")]
     if handoffs:
         listed = ", ".join(str(s["step"]) for s in handoffs[:10]) + (", ..." if len(handoffs) > 10 else "")
-        print(f"  a rank far behind handed {sum(s['handoff']['moved'] for s in handoffs)} windows to the others "
-              f"within {len(handoffs)} step(s) (step {listed})")
+        moved = sum(s["handoff"]["moved"] for s in handoffs)
+        print(f"  a rank far behind handed {moved} window{'s' if moved != 1 else ''} to the others within "
+              f"{len(handoffs)} step{'s' if len(handoffs) != 1 else ''} (step {listed})")
     print(f"  loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}; log {out / 'steps.jsonl'}; "
           f"checkpoint {out / 'checkpoint.pt'}; plots: hetcomm report {out}")
 
