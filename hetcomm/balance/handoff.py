@@ -3,11 +3,11 @@
 The rebalancer reacts to a card that starts throttling on the step after: the step in
 which it happens runs at the old split, and every other rank waits for the slow one (a
 bottleneck card at a quarter of its speed makes that step four times as long). The
-handoff catches it inside the step. Every rank times a first part of its share (its check), then reports: how many
-samples it has done, in how many seconds, how many of its own are left, what one more
-pass and one more sample would cost it now, and whether it is a giver, a rank whose
-predicted finish is over the step's planned time by more than a threshold. The
-reports are all-reduced asynchronously: a rank that is not a giver goes on with its own
+handoff catches it inside the step. Every rank times a first part of its share (its
+check), then reports: how many samples it has done, in how many seconds, how many of
+its own are left, what one more pass and one more sample would cost it now, and
+whether it is a giver, a rank whose predicted finish is over the step's planned time
+by more than a threshold. The reports are all-reduced asynchronously: a rank that is not a giver goes on with its own
 samples and reads them only when done; a giver waits for them at once (the others
 report a part into the step, so it seldom waits). Every rank then computes the same
 plan from the same reports: which of the givers' remaining samples each giver keeps,
@@ -35,7 +35,7 @@ import heapq
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # A rank hands samples off when its predicted finish is this much over the step's
 # planned time: far above the noise of a timed quarter of a share (a few percent on
@@ -138,7 +138,7 @@ def report(done: int, seconds: float, remaining: int, check_share: float | None,
         if slope > 0 and seconds - slope * done >= 0:
             rate, pass_seconds = slope, seconds - slope * done
     mine = Report(done, seconds, remaining, rate, pass_seconds, False)
-    return Report(done, seconds, remaining, rate, pass_seconds, mine.finish() > (1 + GIVER_THRESHOLD) * planned_step)
+    return replace(mine, giver=mine.finish() > (1 + GIVER_THRESHOLD) * planned_step)
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,8 @@ def load_run_profile(run_dir: str | Path, first_step: int = 1, last_step: int | 
     for i, rank in enumerate(header["ranks"]):
         # Only steps the rank ran in one micro-step fit the one-micro-step line; the
         # samples it did ("samples": a handoff may have moved some off the split).
-        points = [(done, r["compute_s"][i]) for r in chosen for done in [r.get("samples", r["micro_batch"])[i]]
-                  if done > 0 and (caps[i] is None or done <= caps[i])]
+        done = [r.get("samples", r["micro_batch"])[i] for r in chosen]
+        points = [(b, r["compute_s"][i]) for b, r in zip(done, chosen) if b > 0 and (caps[i] is None or b <= caps[i])]
         if not points:
             raise ValueError(f"--profile {run_dir}: rank {i} computed no single-micro-step batch in the chosen steps")
         try:

@@ -136,7 +136,7 @@ def simulation_text(simulation: Simulation, plan: Plan) -> str:
              f"  planned split kept:  {simulation.static_s:10.1f} s",
              f"  with rebalancing:    {simulation.rebalanced_s:10.1f} s "
              f"({simulation.rebalanced_s / simulation.static_s - 1:+.1%} against kept; a straggler handed "
-             f"samples off within {len(simulation.handoffs)} step(s))",
+             f"samples off within {len(simulation.handoffs)} step{'' if len(simulation.handoffs) == 1 else 's'})",
              f"  ideal (true speeds): {simulation.ideal_s:10.1f} s "
              f"(rebalancing is {simulation.rebalanced_s / simulation.ideal_s - 1:+.1%} over it)"]
     for event in simulation.rebalances[:20]:

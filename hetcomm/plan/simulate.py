@@ -58,9 +58,8 @@ def _handed_off(rebalancer: Rebalancer, measured: list[float], rates: list[float
     reports = []
     for b, t, rate in zip(sizes, measured, rates):
         check = handoff.check_size(b)
-        per_sample = t / b if b else rate
-        late = b > check and t > (1 + handoff.GIVER_THRESHOLD) * planned
-        reports.append(handoff.Report(check, check * per_sample, b - check, per_sample, 0.0, late))
+        # Time in proportion to samples: the check's share of the time is its share of the samples.
+        reports.append(handoff.report(check, t * check / b if b else 0.0, b - check, 1.0, rate, planned))
     found = handoff.plan(reports)
     if found is None:
         return max(measured), sizes, False

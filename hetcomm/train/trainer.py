@@ -173,9 +173,9 @@ class Trainer:
         self.step = 0
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
         # NCCL collective does not sit on the GPU waiting for the straggler's report.
-        self.handoff = config.handoff and config.balance == "dynamic" and not self.fixed_split
+        self.handoff_enabled = config.handoff and config.balance == "dynamic" and not self.fixed_split
         self.control_group = None
-        if self.handoff and dist.get_backend() != "gloo":
+        if self.handoff_enabled and dist.get_backend() != "gloo":
             self.control_group = dist.new_group(backend="gloo")
         self.handed_off: handoff.Handoff | None = None   # the last step's handoff, if it made one
         self.check_share = handoff.CheckShare()
@@ -391,7 +391,7 @@ class Trainer:
             indices = self._draw()
             self.model.zero_grad(set_to_none=True)
             # Not in an equal phase: that is the baseline, and the first profile.
-            if self.handoff and self.step >= config.equal_steps:
+            if self.handoff_enabled and self.step >= config.equal_steps:
                 loss_sum, compute, samples = self._compute_with_handoff(indices, scale)
             else:
                 loss_sum, compute = self._timed_compute(indices, scale, len(indices) * config.block_size)
