@@ -2,6 +2,7 @@
 gradient of the mean loss over the union of all samples; overflows, bad weights,
 mismatched layouts and missing ranks give the same answer or error on every rank."""
 
+import functools
 import math
 import time
 from datetime import timedelta
@@ -104,6 +105,33 @@ def scenarios(rank, world, counts):
     out["gathered"] = (grads_of(model), by_weight.gathered)
     local_backward(model, rank, counts)
     out["gathered_by_count"] = gathering.reduce(count=n, gather=mine).gathered
+
+    # Bookkeeping while the buckets travel: it sees the gathered rows, may run a collective
+    # of its own, and changes nothing about the result; should it raise, nothing is unpacked.
+    def while_in_flight(rows):
+        decided = torch.tensor([len(rows) * 10 if rank == 0 else 0])
+        dist.broadcast(decided, src=0)
+        seen.append((rows, decided.item()))
+
+    for mode in ("weight", "count"):
+        seen = []
+        local_backward(model, rank, counts)
+        by = {"weight": n / total} if mode == "weight" else {"count": n}
+        result = gathering.reduce(**by, gather=mine, while_in_flight=while_in_flight)
+        out[f"in_flight_{mode}"] = (grads_of(model), result.gathered, seen)
+
+    def failing(rows):
+        raise RuntimeError(f"bookkeeping failed on rank {rank}")
+
+    local_backward(model, rank, counts, use_side=False)
+    local = grads_of(model)
+    for mode in ("weight", "count"):
+        by = {"weight": n / total} if mode == "weight" else {"count": n}
+        error = error_of(functools.partial(gathering.reduce, **by, gather=mine, while_in_flight=failing))
+        out[f"in_flight_raises_{mode}"] = (error, grads_of(model), local)
+    gathering.reduce(weight=n / total, gather=mine)   # the group is still in step
+    out["in_flight_then"] = grads_of(model)
+
     local_backward(model, rank, counts)
     out["gather_short"] = error_of(lambda: gathering.reduce(weight=n / total, gather=mine[:2] if rank == 2 else mine))
     out["gather_not_a_number"] = error_of(lambda: gathering.reduce(
@@ -237,6 +265,27 @@ def test_gathered_values_reach_every_rank_as_sent(ranks):
                 assert (math.isnan(row[2]) and math.isnan(expected[2])) or row[2] == expected[2]
         # Gathering changes nothing about the gradients.
         assert all(g is None and grads[k] is None or torch.equal(grads[k], g) for k, g in r["fp32"][0].items())
+
+
+def test_work_while_in_flight_sees_the_gathered_rows_and_changes_nothing(ranks):
+    for r in ranks:
+        for mode in ("weight", "count"):
+            grads, gathered, seen = r[f"in_flight_{mode}"]
+            assert seen == [(gathered, 10 * len(ranks))]   # called once, with the rows; its broadcast went through
+            assert all(torch.equal(grads[k], g) for k, g in r["gathered"][0].items() if g is not None), mode
+
+
+def test_work_while_in_flight_that_raises_leaves_gradients_alone(ranks):
+    for rank, r in enumerate(ranks):
+        for mode in ("weight", "count"):
+            error, after, before = r[f"in_flight_raises_{mode}"]
+            assert error == ("RuntimeError", f"bookkeeping failed on rank {rank}"), mode
+            assert after.keys() == before.keys()
+            for name, g in before.items():   # not unpacked into; None given back where it was None
+                assert (g is None and after[name] is None) or torch.equal(after[name], g), (mode, name)
+        # The group stayed in step: the same local gradients then reduce to the union's.
+        assert_close_to_reference(r["in_flight_then"], reference_gradient(COUNTS, side_ranks=[]), 1e-6)
+        assert r["in_flight_then"]["side.weight"] is None
 
 
 def test_bad_gather_refused_on_every_rank(ranks):

@@ -1,7 +1,7 @@
 """WeightedReducer: the weighted gradient all-reduce for custom training loops."""
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -137,13 +137,21 @@ class WeightedReducer:
                            for p in self.params]
 
     def reduce(self, weight: float | None = None, *, count: float | None = None,
-               loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> ReduceResult:
+               loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None,
+               while_in_flight: Callable[[list[list[float]] | None], None] | None = None) -> ReduceResult:
         """begin() and finish() in one call, after backward (not with overlap=True).
 
         With weight= the buckets are sent at once and the ranks' agreement on the weights
         travels ahead of them, read before anything is unpacked, so its round trip is not
         on the critical path; a bad verdict still raises on every rank with every gradient
         as it was. With count= the agreement must come first: it yields N.
+
+        while_in_flight: called with every rank's gathered numbers (result.gathered; None
+        without gather_size) once the agreement is in and checked, while the buckets are
+        still travelling, so that bookkeeping which needs only those numbers (a trainer's
+        choice of the next split, itself a collective) hides behind the all-reduce. Every
+        rank must pass one. Should it raise, the all-reduces are waited for, no gradient
+        has been unpacked, and its exception propagates.
         """
         if self.overlap:
             raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
@@ -154,28 +162,39 @@ class WeightedReducer:
         agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
                               self.who, [p.grad is not None for p in self.params], gather,
                               self.gather_size)
+        missing = [p for p in self.params if p.grad is None]
         if count is None:
-            missing = [p for p in self.params if p.grad is None]
             self._step = self._new_step(float(weight), loss_scale)
-            while self._next_launch < len(self.buckets):
-                self._launch_next(self._step)
+            self._launch_all()
             try:
                 self._step.share = agreement.result(self.timeout)
             except ValueError:
                 self._abandon(missing)
                 raise
-            return self.finish()
-        try:
-            share = agreement.result(self.timeout)
-        except ValueError:
-            if agreement.mixed:
-                # The ranks that passed weight= have sent their buckets already: send as many
-                # so that every rank has issued the same collectives and the group stays usable.
-                self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
-            raise
-        self._step = self._new_step(share.weight, loss_scale)
-        self._step.share = share
+        else:
+            try:
+                share = agreement.result(self.timeout)
+            except ValueError:
+                if agreement.mixed:
+                    # The ranks that passed weight= have sent their buckets already: send as many
+                    # so that every rank has issued the same collectives and the group stays usable.
+                    self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
+                raise
+            self._step = self._new_step(share.weight, loss_scale)
+            self._step.share = share
+            if while_in_flight is not None:
+                self._launch_all()
+        if while_in_flight is not None:
+            try:
+                while_in_flight(self._step.share.gathered)
+            except BaseException:
+                self._abandon(missing)
+                raise
         return self.finish()
+
+    def _launch_all(self) -> None:
+        while self._next_launch < len(self.buckets):
+            self._launch_next(self._step)
 
     def begin(self, weight: float | None = None, *, count: float | None = None,
               loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> None:
@@ -256,8 +275,7 @@ class WeightedReducer:
             # has a gradient for, queued behind the gradients so that unpacking hides it.
             flags = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
                                  device=control_device(self.group))
-        while self._next_launch < len(self.buckets):
-            self._launch_next(step)
+        self._launch_all()
         flags_work = launch_all_reduce(flags, self.group) if users is None else None
         if self.masters is not None:
             for master in self.masters.values():

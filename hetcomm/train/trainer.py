@@ -9,11 +9,12 @@ Per optimizer step, on every rank:
      can hand the rest of its share to the others within the step (balance.handoff);
   3. (simulated clusters) wait so that the compute takes 1/speed of the time it needed;
   4. reduce: the gradient of the mean loss over all N target tokens, sum_i (n_i/N) g_i,
-     with found_inf and the global norm (identical on every rank);
+     with found_inf and the global norm (identical on every rank); while the gradients
+     travel, the rebalancer picks the split of the next step (the same on every rank);
   5. unless found_inf: clip by that norm, AdamW step (a 16-bit model's on its fp32
      masters, then one fused cast back into the 16-bit weights); update the one global
      loss scale;
-  6. let the rebalancer pick the split of the next step (same on every rank), log (rank 0).
+  6. log (rank 0).
 
 Every rank's compute time, loss and token count travel in the reducer's agreement on
 the weights (no collective of their own); its reduce and update times, known only
@@ -90,14 +91,6 @@ def load_data(config: TrainConfig) -> tuple[TokenWindows, str]:
 # reduce seconds (the gradient reduction and the update, including the wait for slower
 # ranks) and update seconds (clipping, the optimizer step, the loss scale).
 GATHERED = ("compute", "loss_sum", "tokens", "previous_reduce", "previous_update")
-
-
-@dataclass
-class StepStats:
-    """One step's measurements: this rank's compute time, and every rank's GATHERED."""
-
-    compute: float      # forward/backward (and the simulated wait), seconds
-    everyone: torch.Tensor  # [world, len(GATHERED)] float64
 
 
 @dataclass
@@ -375,7 +368,9 @@ class Trainer:
         reports = [handoff.Report.from_row(row) for row in table.tolist()]
         return reports, handoff.plan(reports)
 
-    def train_step(self) -> StepStats:
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step; returns every rank's GATHERED row, [world, len(GATHERED)]
+        float64. The next step's split is chosen by the time it returns."""
         config = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(config, self.step)
@@ -404,8 +399,10 @@ class Trainer:
         # every rank: passing the weight n_i / N, rather than n_i for the ranks to add up
         # first, lets the agreement on the weights travel beside the buckets (which checks
         # that the weights add up to 1: a handoff planned differently on two ranks stops).
+        # While the gradients travel, the next step's split is chosen from the gathered times.
         result = self.reducer.reduce(tokens / (step_samples * config.block_size), loss_scale=scale,
-                                     gather=[compute, loss_sum, tokens, *self._previous_times])
+                                     gather=[compute, loss_sum, tokens, *self._previous_times],
+                                     while_in_flight=lambda rows: self._choose_next_split(compute, rows))
         found_inf = bool(result.found_inf.item())
         update_start = time.perf_counter()
         if not found_inf:
@@ -421,19 +418,19 @@ class Trainer:
         reduce = time.perf_counter() - start
         self._last_reduce = (found_inf, result.grad_norm.item(), scale)
         self._previous_times = (reduce, time.perf_counter() - update_start)
-        return StepStats(compute, torch.tensor(result.gathered, dtype=torch.float64))
+        return torch.tensor(result.gathered, dtype=torch.float64)
 
     # --- the run --------------------------------------------------------------------
 
-    def _choose_next_split(self, stats: StepStats, compute_times: list[float]) -> None:
+    def _choose_next_split(self, compute: float, everyone: list[list[float]]) -> None:
         """The balancing regime decides the split of the next step from every rank's
-        compute time (gathered with the step's weights; the same on every rank). When
+        GATHERED row (with the step's weights; the same on every rank). When
         a timed part of the first step gave its split, the step's own times are left out:
         they add mostly one-time costs (allocator growth, thread pools, autotuning; 10%
         on CPU), which would inflate the noise estimate that holds the next change back."""
         skip = self.step == 0 and self.probed
-        decision = None if skip else self.rebalancer.step(stats.compute, compute_times,
-                                                          self._samples_done(stats.everyone))
+        table = torch.tensor(everyone, dtype=torch.float64)
+        decision = None if skip else self.rebalancer.step(compute, table[:, 0].tolist(), self._samples_done(table))
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -472,9 +469,7 @@ class Trainer:
         while self.step < last:
             step_start = time.perf_counter()
             split, phase = self.split, self.phases[-1]
-            stats = self.train_step()
-            everyone = stats.everyone
-            self._choose_next_split(stats, everyone[:, 0].tolist())
+            everyone = self.train_step()
             if self.rank == 0:
                 self._complete_pending(everyone[:, 3].tolist(), everyone[:, 4].tolist())
                 self._pending = self._log_line(everyone, split, phase.name)
