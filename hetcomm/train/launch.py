@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from hetcomm.train.checkpoint import CheckpointError, load_checked
 from hetcomm.train.config import (DEFAULT_CPU_RANKS, DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu,
                                   from_args, parser, validate)
+from hetcomm.train.host_memory import keep_freed_memory
 from hetcomm.train.simulate import speeds_for_this_machine
 
 
@@ -36,6 +37,7 @@ def _run_rank(rank: int, world: int, config: TrainConfig, use_cuda: bool, init_m
         device = torch.device("cpu")
         # The workers share the machine's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        keep_freed_memory()
     spawned = init_method is not None
     kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if spawned else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10), **kwargs)
