@@ -19,8 +19,8 @@ def reference_time(size, profile, cap, policy, global_batch):
     return math.ceil(size / micro) * fixed + per_sample * size
 
 
-def allowed(size, cap, policy, min_per_rank):
-    if size < min_per_rank:
+def allowed(size, cap, policy, least):
+    if size < least:
         return False
     if cap is None:
         return True
@@ -32,11 +32,16 @@ def brute_force(global_batch, profiles, caps, policy, min_per_rank):
     best = None
     for head in itertools.product(range(global_batch + 1), repeat=len(profiles) - 1):
         sizes = head + (global_batch - sum(head),)
-        if sizes[-1] < 0 or not all(allowed(b, m, policy, min_per_rank) for b, m in zip(sizes, caps)):
+        if sizes[-1] < 0 or not all(allowed(b, m, policy, least)
+                                    for b, m, least in zip(sizes, caps, minimums(min_per_rank, len(caps)))):
             continue
         slowest = max(reference_time(b, p, m, policy, global_batch) for b, p, m in zip(sizes, profiles, caps))
         best = slowest if best is None else min(best, slowest)
     return best
+
+
+def minimums(min_per_rank, ranks):
+    return list(min_per_rank) if isinstance(min_per_rank, list) else [min_per_rank] * ranks
 
 
 def random_problem(rng):
@@ -46,7 +51,9 @@ def random_problem(rng):
     value = (lambda hi: float(rng.randint(0, hi))) if rng.random() < 0.4 else (lambda hi: rng.uniform(0, hi))
     profiles = [(value(3), value(4) or 0.5) for _ in range(ranks)]
     caps = [rng.choice([None, None, 0, 1, 2, 3, 5]) for _ in range(ranks)]
-    return global_batch, profiles, caps, rng.choice(["accumulate", "move"]), rng.choice([0, 1])
+    # One minimum for all ranks, or one each (samples some ranks have done already).
+    least = rng.choice([0, 1, [rng.randint(0, 3) for _ in range(ranks)]])
+    return global_batch, profiles, caps, rng.choice(["accumulate", "move"]), least
 
 
 @pytest.mark.parametrize("enumeration_limit", [solver.ENUMERATION_LIMIT_PER_RANK, 0])
@@ -66,7 +73,8 @@ def test_matches_brute_force(seed, enumeration_limit, monkeypatch):
         case = (global_batch, profiles, caps, policy, min_per_rank, split.sizes)
         assert split.step_time == expected, case
         assert sum(split.sizes) == global_batch, case
-        assert all(allowed(b, m, policy, min_per_rank) for b, m in zip(split.sizes, caps)), case
+        assert all(allowed(b, m, policy, least)
+                   for b, m, least in zip(split.sizes, caps, minimums(min_per_rank, len(caps)))), case
         times = [reference_time(b, p, m, policy, global_batch) for b, p, m in zip(split.sizes, profiles, caps)]
         assert list(split.rank_times) == times and max(times) == split.step_time, case
         assert_balanced(split.sizes, profiles, caps, policy, min_per_rank, global_batch)
@@ -75,11 +83,22 @@ def test_matches_brute_force(seed, enumeration_limit, monkeypatch):
 def assert_balanced(sizes, profiles, caps, policy, min_per_rank, global_batch):
     """The tie rule's promise: no rank is left with room for one more sample that it
     would finish before the slowest rank that is not pinned at its minimum."""
+    least = minimums(min_per_rank, len(caps))
     level = max((reference_time(b, p, m, policy, global_batch)
-                 for b, p, m in zip(sizes, profiles, caps) if b > min_per_rank), default=0.0)
-    for i, (b, p, m) in enumerate(zip(sizes, profiles, caps)):
-        if allowed(b + 1, m, policy, min_per_rank) and b + 1 <= global_batch:
+                 for b, p, m, low in zip(sizes, profiles, caps, least) if b > low), default=0.0)
+    for i, (b, p, m, low) in enumerate(zip(sizes, profiles, caps, least)):
+        if allowed(b + 1, m, policy, low) and b + 1 <= global_batch:
             assert reference_time(b + 1, p, m, policy, global_batch) >= level, (i, sizes)
+
+
+def test_per_rank_minimums_keep_what_ranks_have_done():
+    profiles = [(0.0, 1.0), (0.0, 4.0)]
+    assert solve_split(10, profiles).sizes == (8, 2)
+    assert solve_split(10, profiles, min_per_rank=[0, 4]).sizes == (6, 4)
+    assert solve_split(10, profiles, min_per_rank=[10, 0]).sizes == (10, 0)
+    # Under "accumulate" a minimum over a rank's cap is run as micro-steps.
+    split = solve_split(10, [(0.0, 1.0)] * 2, memory_caps=[2, None], min_per_rank=[5, 0])
+    assert split.sizes == (5, 5) and split.micro_batches[0] == (2, 2, 1)
 
 
 def test_ties_go_to_lower_ranks_and_repeat_exactly():
@@ -186,6 +205,11 @@ def test_predict_rank_times_uses_the_same_model():
     ((4, [(0.0, 1.0)] * 2), {"memory_caps": [3]}, r"memory_caps has 1 entries for 2 ranks"),
     ((4, [(0.0, 1.0)] * 2), {"memory_caps": [3, -2]}, r"memory_caps\[1\] = -2"),
     ((4, [(0.0, 1.0)] * 2), {"memory_caps": [3, 0]}, r"memory_caps\[1\] = 0 is below min_per_rank = 1"),
+    ((6, [(0.0, 1.0)] * 2), {"min_per_rank": [4, 3]}, r"global_batch = 6 is smaller than the sum of min_per_rank, 7"),
+    ((6, [(0.0, 1.0)] * 2), {"min_per_rank": [4]}, r"min_per_rank has 1 entries for 2 ranks"),
+    ((6, [(0.0, 1.0)] * 2), {"min_per_rank": [4, -1]}, r"min_per_rank = \[4, -1\]: expected a non-negative"),
+    ((6, [(0.0, 1.0)] * 2), {"min_per_rank": [2, 3], "memory_caps": [None, 2], "policy": "move"},
+     r"memory_caps\[1\] = 2 is below min_per_rank\[1\] = 3"),
     ((10, [(0.0, 1.0)] * 2), {"memory_caps": [3, 4], "policy": "move"},
      r"memory_caps add up to 7 samples, fewer than global_batch = 10"),
     ((10, [(0.0, 1.0)] * 2), {"memory_caps": [0, 0], "min_per_rank": 0}, r"memory_caps are all 0"),

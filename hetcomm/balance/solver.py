@@ -83,12 +83,16 @@ class _Ranks:
     """The validated problem as vectors over the ranks."""
 
     def __init__(self, global_batch: int, profiles: Sequence, memory_caps: Sequence | None, policy: str,
-                 min_per_rank: int):
+                 min_per_rank: int | Sequence[int]):
         if policy not in POLICIES:
             raise ValueError(f"policy = {policy!r}: expected one of {POLICIES}")
         if not _is_count(global_batch) or global_batch < 1:
             raise ValueError(f"global_batch = {global_batch!r}: expected a positive integer")
-        if not _is_count(min_per_rank) or min_per_rank < 0:
+        per_rank = not _is_count(min_per_rank)
+        if per_rank and not (isinstance(min_per_rank, Sequence) and all(_is_count(m) and m >= 0
+                                                                          for m in min_per_rank)):
+            raise ValueError(f"min_per_rank = {min_per_rank!r}: expected a non-negative integer, or one per rank")
+        if not per_rank and min_per_rank < 0:
             raise ValueError(f"min_per_rank = {min_per_rank!r}: expected a non-negative integer")
         if len(profiles) == 0:
             raise ValueError("profiles is empty: expected one (fixed, per_sample) profile per rank")
@@ -105,11 +109,25 @@ class _Ranks:
             raise ValueError(f"profiles[{i}] = (fixed={fixed[i].item()!r}, per_sample={per_sample[i].item()!r}): "
                              f"fixed must be finite and >= 0, per_sample finite and > 0 (seconds)")
         ranks = len(profiles)
-        if ranks * min_per_rank > global_batch:
+        if per_rank:
+            if len(min_per_rank) != ranks:
+                raise ValueError(f"min_per_rank has {len(min_per_rank)} entries for {ranks} ranks; expected one per "
+                                 f"rank, or one integer for all")
+            if sum(min_per_rank) > global_batch:
+                raise ValueError(f"global_batch = {global_batch} is smaller than the sum of min_per_rank, "
+                                 f"{sum(min_per_rank)}")
+        elif ranks * min_per_rank > global_batch:
             raise ValueError(f"global_batch = {global_batch} is smaller than {ranks} ranks × min_per_rank = "
                              f"{min_per_rank}; pass a larger global batch, or min_per_rank=0 to let a rank "
                              f"sit a step out")
-        caps = self._caps(memory_caps, ranks, global_batch, min_per_rank)
+        low = list(min_per_rank) if per_rank else [min_per_rank] * ranks
+        caps = self._caps(memory_caps, ranks, global_batch)
+        for i, (cap, least) in enumerate(zip(caps.tolist(), low)):
+            # A cap bounds a rank's share under "move", its micro-batch under "accumulate".
+            if cap < least and (policy == "move" or cap == 0):
+                named = f"min_per_rank[{i}]" if per_rank else "min_per_rank"
+                raise ValueError(f"memory_caps[{i}] = {cap} is below {named} = {least}: that rank cannot hold its "
+                                 f"minimum share; pass min_per_rank=0 to let it sit out")
         if policy == "move":
             high = caps.clamp(max=global_batch)
             micro = torch.full_like(caps, global_batch)
@@ -126,10 +144,10 @@ class _Ranks:
         self.global_batch, self.policy = global_batch, policy
         self.fixed, self.per_sample = fixed, per_sample
         self.caps, self.micro, self.high = caps, micro, high
-        self.low = torch.full_like(caps, min_per_rank)
+        self.low = torch.tensor(low, dtype=torch.int64)
 
     @staticmethod
-    def _caps(memory_caps: Sequence | None, ranks: int, global_batch: int, min_per_rank: int) -> Tensor:
+    def _caps(memory_caps: Sequence | None, ranks: int, global_batch: int) -> Tensor:
         """Caps as int64, None (no cap) becoming the global batch."""
         if memory_caps is None:
             return torch.full((ranks,), global_batch, dtype=torch.int64)
@@ -142,9 +160,6 @@ class _Ranks:
                 cap = global_batch
             elif not _is_count(cap) or cap < 0:
                 raise ValueError(f"memory_caps[{i}] = {cap!r}: expected a non-negative integer or None")
-            elif cap < min_per_rank:
-                raise ValueError(f"memory_caps[{i}] = {cap} is below min_per_rank = {min_per_rank}: that rank "
-                                 f"cannot hold its minimum share; pass min_per_rank=0 to let it sit out")
             caps.append(cap)
         return torch.tensor(caps, dtype=torch.int64)
 
@@ -247,7 +262,7 @@ def equal_split(global_batch: int, ranks: int) -> tuple[int, ...]:
 
 def solve_split(global_batch: int, profiles: Sequence[StepTimeProfile | tuple[float, float]],
                 memory_caps: Sequence[int | None] | None = None, policy: str = "accumulate", *,
-                min_per_rank: int = 1) -> Split:
+                min_per_rank: int | Sequence[int] = 1) -> Split:
     """The integer split b_1..b_n of `global_batch` (Σ b_i = B exactly) that minimises the
     slowest rank's compute time max_i t_i(b_i); exact and deterministic (see the module
     docstring for the model, the algorithm and the tie rule).
@@ -260,11 +275,13 @@ def solve_split(global_batch: int, profiles: Sequence[StepTimeProfile | tuple[fl
             "move" (caps are hard bounds; the excess goes to ranks with room).
         min_per_rank: samples every rank must get. The default 1 keeps every rank
             working, so B must be at least the number of ranks; 0 lets the solver give
-            a card too slow to help nothing at all (it still joins the all-reduce).
+            a card too slow to help nothing at all (it still joins the all-reduce). Or
+            one minimum per rank (samples some ranks have already done, say).
 
     Raises ValueError naming the argument: an unknown policy, B < 1, an empty profile
-    list, a negative, zero-speed or non-finite profile, B < ranks × min_per_rank, a cap
-    below min_per_rank, or caps that cannot hold B under policy "move".
+    list, a negative, zero-speed or non-finite profile, B < ranks × min_per_rank (or
+    their sum), a minimum a rank's cap cannot hold (a cap of 0; any smaller cap under
+    policy "move"), or caps that cannot hold B under policy "move".
     """
     ranks = _Ranks(global_batch, profiles, memory_caps, policy, min_per_rank)
     sizes = ranks.optimal_sizes()
