@@ -96,6 +96,16 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
+def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path):
+    config = tiny_config(tmp_path, speeds="0.2,0.04", equal_steps=0, steps=2, global_batch=2)
+    values(run_ranks(2, train, config, tmp_path=tmp_path))
+    steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
+    assert [s["micro_batch"] for s in steps] == [[1, 1], [1, 1]]
+    equal = values(run_ranks(2, train, replace(config, split="1,1", out=str(tmp_path / "equal")),
+                             tmp_path=tmp_path / "e"))[0]
+    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+
+
 def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(tmp_path):
     # Rank 1 runs at a tenth of its speed from step 7 (five balanced steps have timed its
     # check, three of which it needs even if a hiccup made one a handoff): after timing a

@@ -97,9 +97,9 @@ GATHERED = ("compute", "loss_sum", "tokens", "previous_reduce", "previous_update
 class FirstPart:
     """The part of the first step that timed the ranks (see Trainer._probe_split)."""
 
-    samples: int        # windows done, the same on every rank
+    done: tuple[int, ...]   # windows each rank has done (every rank's, the same on every rank)
     loss_sum: float
-    compute: float      # seconds, as train_step measures compute
+    compute: float          # this rank's seconds, as train_step measures compute
 
 
 @dataclass
@@ -151,6 +151,7 @@ class Trainer:
         self.sampler = WeightedDistributedSampler(len(self.data), start_split, rank, seed=config.seed)
         self.probe_seconds = 0.0
         self._first_part: FirstPart | None = None
+        self.step = 0
         # The first step is timed in parts when it is a full one (a corpus of one global
         # batch or less starts from the equal split).
         probing = not self.fixed_split and config.balance != "equal" and config.equal_steps == 0 \
@@ -163,7 +164,6 @@ class Trainer:
                                                            threshold=config.rebalance_threshold,
                                                            **TRAINING_SETTINGS))
         self.split = start_split
-        self.step = 0
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
         # NCCL collective does not sit on the GPU waiting for the straggler's report.
         self.handoff_enabled = config.handoff and config.balance == "dynamic" and not self.fixed_split
@@ -186,33 +186,49 @@ class Trainer:
 
     def _probe_split(self) -> tuple[int, ...]:
         """The first split when there is no equal-split phase (--equal-steps 0), timed on
-        the first step's own samples: after one untimed run that pays for allocation,
-        every rank runs forward and backward of an equal part of the first global batch
-        (an eighth of an equal share each: the faster ranks wait for the slowest one's
-        part, so a small part wastes little) at its (simulated) speed; the step's split
-        then follows the measured throughputs within the memory caps, each rank keeping
-        at least the part it has done, and train_step deals and computes the rest of
-        the step (FastSpeed's one profile, but no pass that trains nothing). The
-        rebalancer refines the split from the first step on."""
+        the first step's own samples, after one untimed run that pays for allocation:
+
+          1. every rank runs forward and backward of one window at its (simulated) speed;
+          2. about half the global batch is then dealt by the speeds those times suggest,
+             so that the ranks compute side by side for about the same time, each timing
+             many windows (on shared CPU cores a rank left computing alone runs faster
+             than it will in training);
+          3. the step's split follows the second part's throughputs within the memory
+             caps, each rank keeping at least the windows it has done, and train_step
+             deals and computes the rest of the step.
+
+        FastSpeed's one profile, but no pass that trains nothing: a faster rank waits for
+        the slowest rank's first window, and for the second part only as long as the
+        first windows misjudged the speeds. The rebalancer refines the split from the
+        first step on."""
         start = time.perf_counter()
         config, block = self.config, self.config.block_size
-        size = max(1, config.global_batch // self.world // 8)
-        self._compute([i % len(self.data) for i in range(size)], scale=1.0, tokens=size * block)
+        share = config.global_batch // self.world
+        warm = max(1, share // 8)
+        self._compute([i % len(self.data) for i in range(warm)], scale=1.0, tokens=warm * block)
         self.model.zero_grad(set_to_none=True)
         scale = self.scaler.scale if self.scaler else 1.0
-        part = self.sampler.take([size] * self.world)
-        timed = time.perf_counter()
-        with self.speed.compute(0):
-            loss_sum = self._compute(part, scale, tokens=size * block)
-        seconds = time.perf_counter() - timed
-        times = [row[0] for row in gather_floats([seconds])]
-        split = solve_split(config.global_batch, [(0.0, t / size) for t in times], self.caps,
-                            min_per_rank=size).sizes
-        # The part's gradients are of its mean loss; the step's are of the mean over all the
-        # rank's split[rank] windows, which the rest of the step adds to.
-        self._retarget_gradients(size, split[self.rank])
-        self._first_part = FirstPart(size, loss_sum, seconds)
-        self.probe_seconds = time.perf_counter() - start   # the wait for the slowest rank's part included
+        loss_sum, first = self._timed_compute(self.sampler.take([1] * self.world), scale, tokens=block)
+        singles = [row[0] for row in gather_floats([first])]
+        if share > 1:
+            # About half the global batch in all, dealt by the single windows' speeds.
+            half = config.global_batch // 2 - self.world
+            speeds = [1 / max(t, 1e-9) for t in singles]
+            more = [max(1, math.floor(half * v / sum(speeds))) for v in speeds]
+            done = [1 + k for k in more]
+            self._retarget_gradients(1, done[self.rank])
+            loss, seconds = self._timed_compute(self.sampler.take(more), scale, tokens=done[self.rank] * block)
+            loss_sum, compute = loss_sum + loss, first + seconds
+            rates = [(0.0, row[0] / k) for row, k in zip(gather_floats([seconds]), more)]
+        else:   # one window per rank is the whole equal share
+            done, compute = [1] * self.world, first
+            rates = [(0.0, t) for t in singles]
+        split = solve_split(config.global_batch, rates, self.caps, min_per_rank=done).sizes
+        # The parts' gradients are of the mean loss over the rank's done windows; the step's
+        # are of the mean over all its split[rank] windows, which the rest of the step adds to.
+        self._retarget_gradients(done[self.rank], split[self.rank])
+        self._first_part = FirstPart(tuple(done), loss_sum, compute)
+        self.probe_seconds = time.perf_counter() - start   # the waits for the slowest rank's parts included
         return split
 
     def _probe_caps(self) -> list[int | None] | None:
@@ -378,9 +394,11 @@ class Trainer:
         first, self._first_part = self._first_part, None
         self.handed_off = None
         if first is not None:   # the rest of the step whose first part timed the ranks; its gradients stay
-            indices = self.sampler.take([b - first.samples for b in self.split])
-            more, seconds = self._timed_compute(indices, scale, (first.samples + len(indices)) * config.block_size)
-            loss_sum, compute, samples = first.loss_sum + more, first.compute + seconds, first.samples + len(indices)
+            rest = [b - d for b, d in zip(self.split, first.done)]
+            indices = self.sampler.take(rest) if sum(rest) else []   # the parts may have been the whole step
+            samples = first.done[self.rank] + len(indices)
+            more, seconds = self._timed_compute(indices, scale, samples * config.block_size)
+            loss_sum, compute = first.loss_sum + more, first.compute + seconds
             step_samples = config.global_batch
         else:
             indices = self._draw()
