@@ -270,9 +270,9 @@ class Rebalancer:
         self.sizes, self.steps_since_change, self.streak = sizes, 0, 0
         return True
 
-    def observe(self, compute_times: Sequence[float]) -> RebalanceDecision:
+    def observe(self, compute_times: Sequence[float], done: Sequence[int] | None = None) -> RebalanceDecision:
         """update, decide and adopt in one process."""
-        self.update(compute_times)
+        self.update(compute_times, done)
         decision = self.decide()
         self.adopt(decision.sizes)
         return decision

@@ -101,9 +101,7 @@ def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Sl
         if handed:
             handoffs.append(step)
             measured = _observed(done, profiles, caps, slowness)
-        rebalancer.update(measured, done)
-        decision = rebalancer.decide()
-        rebalancer.adopt(decision.sizes)
+        decision = rebalancer.observe(measured, done)
         if decision.changed:
             rebalances.append(Rebalance(step, decision.predicted_gain, decision.sizes))
         key = tuple(speed.tolist())

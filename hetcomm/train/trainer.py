@@ -420,7 +420,7 @@ class Trainer:
         # While the gradients travel, the next step's split is chosen from the gathered times.
         result = self.reducer.reduce(tokens / (step_samples * config.block_size), loss_scale=scale,
                                      gather=[compute, loss_sum, tokens, *self._previous_times],
-                                     while_in_flight=lambda rows: self._choose_next_split(compute, rows))
+                                     while_in_flight=self._choose_next_split)
         found_inf = bool(result.found_inf.item())
         update_start = time.perf_counter()
         if not found_inf:
@@ -440,15 +440,15 @@ class Trainer:
 
     # --- the run --------------------------------------------------------------------
 
-    def _choose_next_split(self, compute: float, everyone: list[list[float]]) -> None:
+    def _choose_next_split(self, everyone: list[list[float]]) -> None:
         """The balancing regime decides the split of the next step from every rank's
         GATHERED row (with the step's weights; the same on every rank). When
         a timed part of the first step gave its split, the step's own times are left out:
         they add mostly one-time costs (allocator growth, thread pools, autotuning; 10%
         on CPU), which would inflate the noise estimate that holds the next change back."""
         skip = self.step == 0 and self.probed
-        table = torch.tensor(everyone, dtype=torch.float64)
-        decision = None if skip else self.rebalancer.step(compute, table[:, 0].tolist(), self._samples_done(table))
+        times = [row[0] for row in everyone]
+        decision = None if skip else self.rebalancer.step(times[self.rank], times, self._samples_done(everyone))
         config = self.config
         if self.fixed_split:
             sizes = self.fixed_split
@@ -518,16 +518,16 @@ class Trainer:
             self.log.close()
         return summary
 
-    def _samples_done(self, everyone: torch.Tensor) -> list[int]:
+    def _samples_done(self, everyone: list[list[float]]) -> list[int]:
         """The windows each rank did in the step (a handoff moves some off the split),
-        from the target tokens gathered with its weights."""
-        return [round(t) // self.config.block_size for t in everyone[:, 2].tolist()]
+        from the target tokens in every rank's GATHERED row."""
+        return [round(row[2]) // self.config.block_size for row in everyone]
 
     def _log_line(self, everyone: torch.Tensor, split: tuple[int, ...], phase: str) -> dict:
         """The step's log line as far as it is known on this step (rank 0)."""
         found_inf, grad_norm, scale = self._last_reduce
         compute = everyone[:, 0].tolist()
-        samples = self._samples_done(everyone)
+        samples = self._samples_done(everyone.tolist())
         return {
             "step": self.step, "simulated": self.simulated, "phase": phase,
             "loss": everyone[:, 1].sum().item() / everyone[:, 2].sum().item(),
