@@ -5,10 +5,10 @@ import argparse
 from dataclasses import asdict, dataclass, field
 
 from hetcomm.amp import PRECISIONS
+from hetcomm.train.data import VOCAB_SCAN_MAX_TOKENS
 from hetcomm.train.per_rank import parse_per_rank
 from hetcomm.train.simulate import parse_slowdown, parse_speeds
 
-DEFAULT_CPU_RANKS = 4
 DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machine's cores
 WIRES = ("float16", "float32", "bfloat16")
 WEIGHTS = ("compute", "fp32")
@@ -50,6 +50,7 @@ class TrainConfig:
     slowdown: list[str] = field(default_factory=list)
     # data and files
     data: str | None = None
+    vocab_size: int | None = None   # None: 256 for byte data, a .bin file's largest token + 1 (hetcomm.train.data)
     out: str = "runs/latest"
     resume: str | None = None
     checkpoint_every: int = 0
@@ -120,6 +121,10 @@ def parser() -> argparse.ArgumentParser:
     files = p.add_argument_group("data and files")
     files.add_argument("--data", help="a text file (byte tokens) or a uint16 .bin of tokens; default: Python's "
                                       "standard-library sources")
+    files.add_argument("--vocab-size", type=int,
+                       help="the model's vocabulary, e.g. 50257 for GPT-2's tokenizer (nanoGPT's prepared .bin "
+                            "files); default: 256 for a text file, the largest token id + 1 of a .bin file of up to "
+                            f"{VOCAB_SCAN_MAX_TOKENS // 2**20} Mi tokens (a larger one needs --vocab-size)")
     files.add_argument("--out", default=d.out, help="run directory: log, checkpoints, plots (default %(default)s)")
     files.add_argument("--resume", help="checkpoint to continue from")
     files.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints "
@@ -145,6 +150,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
                         "--equal-steps": config.equal_steps, "--checkpoint-every": config.checkpoint_every}.items():
         if value < 0:
             raise ValueError(f"{name} must not be negative; got {value}")
+    if config.vocab_size is not None and (not isinstance(config.vocab_size, int) or config.vocab_size < 1):
+        raise ValueError(f"--vocab-size must be a positive integer; got {config.vocab_size!r}")
     if config.global_batch < world_size:
         raise ValueError(f"--global-batch {config.global_batch} is smaller than the {world_size} ranks: every rank "
                          f"needs at least one window per step at the start; use --global-batch {world_size} or more")
