@@ -11,7 +11,7 @@ import pytest
 from hetcomm.balance import solve_split
 from hetcomm.plan import load_run_profile, make_plan, parse_cluster, parse_model, simulate, spec_members
 from hetcomm.plan.cli import main
-from hetcomm.plan.cost import all_reduce_cost, device_cost
+from hetcomm.plan.cost import all_reduce_cost, device_cost, fitted_efficiencies
 from hetcomm.train.simulate import Slowdown
 
 GIB = 2**30
@@ -59,7 +59,8 @@ def test_device_cost_by_hand(catalog):
     assert cost.activation_bytes == activation and cost.state_bytes == state
     assert cost.cap == math.floor((11 * GIB * 0.9 - state) / activation)
     flops = 1024 * (6 * (params - 1024 * h) + 12 * layers * h * 1024)
-    per_sample = flops / (11.34e12 * 0.7) + 3 * activation / (484e9 * 0.7)
+    efficiency = fitted_efficiencies()[("sm_61", "fp32")]   # fitted to published runs (efficiency.csv)
+    per_sample = flops / (11.34e12 * efficiency) + 3 * activation / (484e9 * 0.7)
     assert cost.per_sample == pytest.approx(per_sample, rel=1e-12)
     assert cost.fixed == pytest.approx((40 * 12 + 30) * 12e-6 + params * 12 / (484e9 * 0.7), rel=1e-12)
     assert cost.update_seconds == pytest.approx(params * 48 / (484e9 * 0.7), rel=1e-12)

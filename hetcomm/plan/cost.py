@@ -2,29 +2,47 @@
 micro-step of b samples costs (t = a + c·b, the balancer's model), how large a
 micro-batch fits in memory, what the optimizer update and the ring all-reduce cost.
 
-Every figure comes from public peak specifications times an efficiency, and each
-constant below says where it comes from; a profile of a real run (hetcomm.plan.
-calibrate) replaces the efficiency, or the whole per-device line, by measurement.
+Every figure comes from public peak specifications times an efficiency fitted per
+architecture and math to published training measurements (efficiency.csv, written by
+hetcomm.plan.fit from measurements.csv), and each constant below says where it comes
+from; a profile of a real run (hetcomm.plan.calibrate) replaces the efficiency, or the
+whole per-device line, by measurement.
 """
 
+import csv
+import importlib.resources
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from hetcomm.plan.catalog import Device, Link
-from hetcomm.plan.model_shape import ModelShape
+from hetcomm.plan.model_shape import ATTENTIONS, ModelShape
 
+# The planner's precisions: the trainer's three, and tf32 (fp32 storage, matmuls on
+# Ampere's tensor cores in TF32, what NGC containers and PyTorch before 1.12 did by default).
+PLAN_PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+STORAGE = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 # A sample's compute is its matmuls at a share of peak FLOP/s plus its memory-bound
-# work (normalisations, activations, residual adds, the loss) at a share of memory
-# bandwidth. Eager PyTorch's matmuls reach about 70% of a SIMT peak and 50% of a
-# tensor-core peak at these sizes; the memory-bound kernels move each stored activation
+# work (normalisations, activations, residual adds, the loss, eager attention's scores)
+# at a share of memory bandwidth; the memory-bound kernels move each stored activation
 # about three times (written in forward, read in backward with its gradient written).
-DEFAULT_EFFICIENCY = {False: 0.7, True: 0.5}   # by "computes on tensor cores"
+# The share of peak is fitted per architecture and math (efficiency.csv); these are the
+# fallbacks for a math no measurement covers.
+DEFAULT_EFFICIENCY = {"fp32": 0.7, "tf32": 0.5, "tensor16": 0.5}
 ACTIVATION_TRAFFIC = 3
+# Sustained clock under a training load, as a share of the boost clock the peak figures
+# assume, for cards whose power cap holds them below it.
+SUSTAINED_CLOCK: dict[str, float] = {}
 # Per-micro-step fixed cost: the kernels launched by forward and backward (about 40
 # per transformer block plus 30 for embeddings, head and loss), each paying the
 # framework's dispatch overhead on the host, and one read of the weights per pass.
 KERNELS_PER_LAYER, KERNELS_OUTSIDE_LAYERS = 40, 30
 SECONDS_PER_KERNEL = 12e-6
+# An optimizer that loops over the parameters in Python (BERT's BertAdam: the moments'
+# updates, the step, weight decay, the gradient norm: about 11 kernels per tensor) pays
+# each kernel's dispatch; fused and foreach optimizers (apex FusedAdam, torch's AdamW)
+# launch a handful per step, left out.
+PER_TENSOR_OPTIMIZER_KERNELS = 11
 # The weights' traffic per micro-step, as the trainer computes (16-bit precisions: 16-bit
 # weights with fp32 masters): read in forward and in backward, the gradient written;
 # 4-byte elements in fp32, 2-byte ones in 16-bit.
@@ -49,7 +67,7 @@ BUCKET_BYTES = 25 * 2**20
 class DeviceCost:
     """What one device costs for one model, sequence length and precision."""
 
-    precision: str
+    precision: str                # one of PLAN_PRECISIONS
     fixed: float                  # a: seconds per micro-step whatever its size
     per_sample: float             # c: seconds per sample
     cap: int | None               # the largest micro-batch that fits; None: no limit known (CPU)
@@ -58,6 +76,7 @@ class DeviceCost:
     memory_bytes: float | None    # what the device offers under the memory fraction
     update_seconds: float         # the optimizer update, once per optimizer step
     efficiency: float | None      # the share of peak FLOP/s assumed; None: measured line
+    attention: str = "fused"
 
     def memory_use(self, micro_batch: int) -> float:
         return self.state_bytes + self.activation_bytes * micro_batch
@@ -69,45 +88,138 @@ def micro_batch_cap(memory_bytes: float, state_bytes: float, activation_bytes: f
     return max(0, math.floor(room / activation_bytes)) if room > 0 else 0
 
 
+def math_of(device: Device, precision: str) -> str:
+    """What the matmuls run on: "fp32" (SIMT), "tf32" or "tensor16" (tensor cores), or
+    "fp16-fp32math": 16-bit storage with fp32 arithmetic, what cuBLAS's GemmEx (and so
+    PyTorch's fp16 matmuls) does on cards without tensor cores, Pascal's included: their
+    fp16 instructions (1/64 rate on sm_61) are never used, so fp16 costs no speed there
+    and halves the memory traffic. ValueError naming the device when the precision
+    needs hardware it lacks."""
+    if precision not in PLAN_PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PLAN_PRECISIONS)}")
+    major, minor = device.capability
+    if precision in ("tf32", "bf16") and device.bf16_tflops is None:
+        raise ValueError(f"{device.name} ({device.label}) has no native {precision} (compute capability "
+                         f"{major}.{minor}, {precision} needs 8.0); use fp16 or fp32")
+    if precision == "fp32":
+        return "fp32"
+    if precision == "tf32":
+        return "tf32"
+    return "tensor16" if device.tensor_cores else "fp16-fp32math"
+
+
+def peak_flops(device: Device, precision: str) -> float:
+    """The peak FLOP/s of the math `precision` runs on, at the sustained clock. Dense
+    TF32 is half the 16-bit tensor rate on every Ampere, Ada and Hopper part."""
+    math_ = math_of(device, precision)
+    tflops = {"fp32": device.fp32_tflops, "fp16-fp32math": device.fp32_tflops,
+              "tf32": (device.bf16_tflops or 0) / 2,
+              "tensor16": device.peak_tflops(STORAGE[precision])}[math_]
+    return tflops * 1e12 * SUSTAINED_CLOCK.get(device.name, 1.0)
+
+
+def efficiency_keys(device: Device, precision: str) -> tuple[tuple[str, str], ...]:
+    """The fitted efficiency's keys, most specific first: the compute capability (GA100
+    and GA102 are both Ampere, but differ), the architecture, and "*", every one pooled.
+    fp16 storage with fp32 math runs on the fp32 units, so it shares their efficiency
+    (what a 16-bit copy saves is costed as memory traffic)."""
+    math_ = math_of(device, precision)
+    math_ = "fp32" if math_ == "fp16-fp32math" else math_
+    major, minor = device.capability
+    return (f"sm_{major}{minor}", math_), (device.architecture, math_), ("*", math_)
+
+
+# The key of the fitted share of a tensor-core matmul's time that does not scale with the
+# tensor peak (loads, epilogues, the SIMT work around the MMA), in units of the time the
+# matmul would take at the fp32 peak: what makes GeForce cards, whose tensor cores
+# accumulate fp32 at half rate, reach a larger share of their tensor peak than A100s.
+SIMT_SHARE_KEY = ("*", "simt-share")
+
+
+@cache
+def fitted_efficiencies() -> dict[tuple[str, str], float]:
+    """efficiency.csv: (level, math) -> share of peak, and SIMT_SHARE_KEY."""
+    text = (importlib.resources.files("hetcomm") / "plan" / "efficiency.csv").read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return {(row["level"], row["math"]): float(row["value"]) for row in csv.DictReader(lines)}
+
+
+def lookup_efficiency(keys: tuple[tuple[str, str], ...], table: dict[tuple[str, str], float]) -> float:
+    for key in keys:
+        if key in table:
+            return table[key]
+    return DEFAULT_EFFICIENCY[keys[0][1]]
+
+
+def matmul_seconds(device: Device, model: ModelShape, seq: int, precision: str, efficiency: float,
+                   simt_share: float = 0.0, fp32_efficiency: float | None = None) -> float:
+    """Per sample: the FLOPs at `efficiency` of the peak, plus, on tensor cores,
+    simt_share of their time at the fp32 peak. TF32 is never slower than the fp32
+    SIMT kernels at fp32_efficiency, which cuBLAS picks where they are faster (on
+    GeForce Ampere the TF32 tensor peak is no higher than the fp32 one)."""
+    flops = model.flops_per_sample(seq)
+    seconds = flops / (peak_flops(device, precision) * efficiency)
+    if math_of(device, precision) in ("tf32", "tensor16"):
+        seconds += simt_share * flops / peak_flops(device, "fp32")
+    if precision == "tf32" and fp32_efficiency is not None:
+        seconds = min(seconds, flops / (peak_flops(device, "fp32") * fp32_efficiency))
+    return seconds
+
+
 def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, wire_bytes: int,
-                memory_fraction: float, efficiency: float | None = None) -> DeviceCost:
+                memory_fraction: float, efficiency: float | None = None, attention: str = "fused",
+                efficiencies: dict[tuple[str, str], float] | None = None) -> DeviceCost:
     """The cost of `model` on `device` computing in `precision` (ValueError naming the
-    device where the precision has no native support)."""
-    peak = device.peak_tflops(precision) * 1e12
-    tensor = device.tensor_cores and precision != "fp32"
+    device where the precision has no native support). `efficiency` overrides the
+    fitted share of peak; `efficiencies` replaces the fitted table (for the fit itself)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    simt_share, fp32_efficiency = 0.0, None   # a given efficiency is the whole share of peak
     if efficiency is None:
-        efficiency = DEFAULT_EFFICIENCY[tensor]
+        table = fitted_efficiencies() if efficiencies is None else efficiencies
+        efficiency = lookup_efficiency(efficiency_keys(device, precision), table)
+        simt_share = table.get(SIMT_SHARE_KEY, 0.0)
+        fp32_efficiency = lookup_efficiency(efficiency_keys(device, "fp32"), table)
+    storage = STORAGE[precision]
     parameters = model.parameters(seq)
     bandwidth = device.bandwidth_gbs * 1e9
     fixed = ((KERNELS_PER_LAYER * model.n_layer + KERNELS_OUTSIDE_LAYERS) * SECONDS_PER_KERNEL
-             + parameters * WEIGHT_BYTES_PER_MICRO_STEP[precision] / (bandwidth * BANDWIDTH_EFFICIENCY))
-    per_sample = model.flops_per_sample(seq) / (peak * efficiency) + memory_bound_seconds(device, model, seq, precision)
-    state = parameters * (STATE_BYTES_PER_PARAMETER[precision] + wire_bytes) + CONTEXT_BYTES
-    activation = model.activation_bytes_per_sample(seq, precision)
+             + parameters * WEIGHT_BYTES_PER_MICRO_STEP[storage] / (bandwidth * BANDWIDTH_EFFICIENCY))
+    per_sample = (matmul_seconds(device, model, seq, precision, efficiency, simt_share, fp32_efficiency)
+                  + memory_bound_seconds(device, model, seq, precision, attention))
+    state = parameters * (STATE_BYTES_PER_PARAMETER[storage] + wire_bytes) + CONTEXT_BYTES
+    activation = model.activation_bytes_per_sample(seq, storage, attention)
     memory = device.memory_gib * 2**30 * memory_fraction
     return DeviceCost(precision=precision, fixed=fixed, per_sample=per_sample,
                       cap=micro_batch_cap(memory, state, activation), state_bytes=state,
                       activation_bytes=activation, memory_bytes=memory,
-                      update_seconds=update_seconds(parameters, bandwidth, precision), efficiency=efficiency)
+                      update_seconds=update_seconds(parameters, bandwidth, precision), efficiency=efficiency,
+                      attention=attention)
+
+
+def per_tensor_optimizer_seconds(model: ModelShape) -> float:
+    return model.parameter_tensors() * PER_TENSOR_OPTIMIZER_KERNELS * SECONDS_PER_KERNEL
 
 
 def update_seconds(parameters: int, bandwidth_bytes_per_s: float, precision: str) -> float:
-    return parameters * UPDATE_BYTES_PER_PARAMETER[precision] / (bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
+    return parameters * UPDATE_BYTES_PER_PARAMETER[STORAGE[precision]] / (bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
 
 
-def memory_bound_seconds(device: Device, model: ModelShape, seq: int, precision: str) -> float:
+def memory_bound_seconds(device: Device, model: ModelShape, seq: int, precision: str,
+                         attention: str = "fused") -> float:
     """Per sample, the memory-bound part of forward and backward."""
-    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, precision)
+    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, STORAGE[precision], attention)
     return traffic / (device.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
 
 
-def measured_efficiency(device: Device, model: ModelShape, seq: int, precision: str, per_sample: float) -> float:
+def measured_efficiency(device: Device, model: ModelShape, seq: int, precision: str, per_sample: float,
+                        attention: str = "fused") -> float:
     """The share of peak FLOP/s that a measured per-sample time means on this device,
     once its memory-bound part is taken out (at most 1: a faster measurement than the
     memory-bound part alone allows says the model overcounts memory, not that the
     matmuls beat peak)."""
-    matmul_seconds = per_sample - memory_bound_seconds(device, model, seq, precision)
-    peak = device.peak_tflops(precision) * 1e12
+    matmul_seconds = per_sample - memory_bound_seconds(device, model, seq, precision, attention)
+    peak = peak_flops(device, precision)
     return min(1.0, model.flops_per_sample(seq) / (peak * matmul_seconds)) if matmul_seconds > 0 else 1.0
 
 

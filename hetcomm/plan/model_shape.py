@@ -1,6 +1,9 @@
-"""What a GPT-style model costs per sample: parameters, floating-point operations and
-activation memory, for the model hetcomm.train builds (pre-norm blocks, tied
-embeddings, a GELU MLP of width 4h, scaled-dot-product attention).
+"""What a transformer costs per sample: parameters, floating-point operations and
+activation memory, for the GPT model hetcomm.train builds (pre-norm blocks, tied
+embeddings, a GELU MLP of width 4h, scaled-dot-product attention) and for BERT
+(post-norm blocks of the same size, token-type embeddings, learned positions for 512
+tokens, and a task head: "mlm", pre-training's masked-LM head on MLM_FRACTION of the
+tokens plus next-sentence prediction, or "qa", SQuAD's two-logit span head).
 
 The counts are per sample of `seq` tokens:
 - parameters: V·h (tied token embedding and head) + seq·h (positions)
@@ -16,6 +19,9 @@ The counts are per sample of `seq` tokens:
   vocabulary entry) and its inputs (6h or 8h) — plus, at the peak in backward, the
   fp32 gradients of the log-softmax and of the logits (8 bytes per vocabulary entry).
   tests/test_plan_model.py checks the kept part against autograd's saved tensors.
+  With attention="eager" (code that computes softmax(QKᵀ)V as separate kernels, as all
+  BERT-era code does, HetSeq's included), each layer also keeps the seq×seq scores per
+  head: the softmax output, and with attention dropout (BERT) its mask and output.
 """
 
 import re
@@ -24,6 +30,13 @@ from dataclasses import dataclass
 LAYER_ACTIVATION_BYTES = {"fp32": 68, "fp16": 38, "bf16": 38}   # × h per token per layer
 HEAD_INPUT_BYTES = {"fp32": 8, "fp16": 6, "bf16": 6}             # × h per token
 LOG_SOFTMAX_BYTES, LOSS_GRADIENT_BYTES = 4, 8                    # × vocabulary per token
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+ATTENTIONS = ("fused", "eager")
+KINDS, HEADS = ("gpt", "bert"), ("lm", "mlm", "qa")
+# BERT pre-training masks 15% of the tokens, and its MLM head runs on those only (the
+# vocabulary-wide logits of the other 85% are never formed).
+MLM_FRACTION = 0.15
+BERT_POSITIONS, BERT_TOKEN_TYPES = 512, 2
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,8 @@ class ModelShape:
     n_head: int
     n_embd: int
     vocab_size: int
+    kind: str = "gpt"   # "gpt" (hetcomm.train's model) or "bert"
+    head: str = "lm"    # gpt: "lm"; bert: "mlm" or "qa"
 
     def __post_init__(self):
         for field_name in ("n_layer", "n_head", "n_embd", "vocab_size"):
@@ -41,39 +56,82 @@ class ModelShape:
                 raise ValueError(f"model {self.name!r}: {field_name} = {value!r}; expected a positive integer")
         if self.n_embd % self.n_head:
             raise ValueError(f"model {self.name!r}: dim = {self.n_embd} is not a multiple of heads = {self.n_head}")
+        if (self.kind, self.head) not in (("gpt", "lm"), ("bert", "mlm"), ("bert", "qa")):
+            raise ValueError(f"model {self.name!r}: kind {self.kind!r} with head {self.head!r}; expected gpt with lm, "
+                             f"or bert with mlm or qa")
 
     def parameters(self, seq: int) -> int:
-        h = self.n_embd
-        return self.vocab_size * h + seq * h + self.n_layer * (12 * h * h + 13 * h) + 2 * h
+        h, layers = self.n_embd, self.n_layer * (12 * self.n_embd**2 + 13 * self.n_embd)
+        if self.kind == "gpt":
+            return self.vocab_size * h + seq * h + layers + 2 * h
+        embeddings = (self.vocab_size + BERT_POSITIONS + BERT_TOKEN_TYPES) * h + 2 * h
+        pooler = h * h + h
+        head = (h * h + 3 * h + self.vocab_size + 2 * h + 2) if self.head == "mlm" else 2 * h + 2
+        return embeddings + layers + pooler + head
+
+    def parameter_tensors(self) -> int:
+        """How many tensors the parameters are in (each costs a per-tensor optimizer its
+        own kernels): per layer 12 (GPT: 2 norms, 4 linears, with biases) or 16 (BERT's
+        separate query, key and value); embeddings, final norm and head besides."""
+        if self.kind == "gpt":
+            return 12 * self.n_layer + 4
+        return 16 * self.n_layer + 5 + 2 + (7 if self.head == "mlm" else 2)
+
+    def _head_tokens(self) -> float:
+        """The share of tokens the vocabulary-wide output layer runs on."""
+        return {"lm": 1.0, "mlm": MLM_FRACTION, "qa": 0.0}[self.head]
 
     def flops_per_sample(self, seq: int) -> float:
-        multiplying = self.parameters(seq) - seq * self.n_embd
-        per_token = 6 * multiplying + 12 * self.n_layer * self.n_embd * seq
+        """6 FLOPs per multiplying parameter per token (forward and backward), plus
+        attention's score and value products."""
+        h = self.n_embd
+        if self.kind == "gpt":
+            multiplying = self.parameters(seq) - seq * h
+        else:
+            multiplying = self.n_layer * (12 * h * h + 13 * h) + self._head_tokens() * (self.vocab_size + h) * h
+        per_token = 6 * multiplying + 12 * self.n_layer * h * seq
         return float(per_token * seq)
 
-    def saved_bytes_per_sample(self, seq: int, precision: str) -> float:
+    def score_bytes_per_token(self, seq: int, precision: str) -> float:
+        """Per token and layer, what eager attention keeps of the seq×seq scores: the
+        softmax output, and with BERT's attention dropout its 1-byte mask and output."""
+        element = ELEMENT_BYTES[precision]
+        per_score = 2 * element + 1 if self.kind == "bert" else element
+        return float(self.n_head * seq * per_score)
+
+    def saved_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused") -> float:
         """What autograd keeps from forward for backward."""
         h = self.n_embd
-        per_token = (self.n_layer * LAYER_ACTIVATION_BYTES[precision] * h + HEAD_INPUT_BYTES[precision] * h
-                     + LOG_SOFTMAX_BYTES * self.vocab_size)
+        layer = LAYER_ACTIVATION_BYTES[precision] * h
+        if attention == "eager":
+            layer += self.score_bytes_per_token(seq, precision)
+        per_token = (self.n_layer * layer + HEAD_INPUT_BYTES[precision] * h
+                     + LOG_SOFTMAX_BYTES * self.vocab_size * self._head_tokens())
         return float(per_token * seq)
 
-    def activation_bytes_per_sample(self, seq: int, precision: str) -> float:
+    def activation_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused") -> float:
         """The peak: what is kept, plus the loss's gradients at the start of backward."""
-        return self.saved_bytes_per_sample(seq, precision) + float(LOSS_GRADIENT_BYTES * self.vocab_size * seq)
+        return (self.saved_bytes_per_sample(seq, precision, attention)
+                + float(LOSS_GRADIENT_BYTES * self.vocab_size * self._head_tokens() * seq))
 
     def describe(self, seq: int) -> str:
-        return (f"{self.name}: {self.parameters(seq) / 1e6:.1f}M parameters, {self.n_layer} layers, "
+        kind = f" {self.kind.upper()} with {self.head} head," if self.kind == "bert" else ""
+        return (f"{self.name}:{kind} {self.parameters(seq) / 1e6:.1f}M parameters, {self.n_layer} layers, "
                 f"{self.n_head} heads, width {self.n_embd}, vocabulary {self.vocab_size}")
 
 
-# GPT-2's sizes (vocabulary 50257), and the model `hetcomm train` builds by default (bytes).
+# GPT-2's sizes (vocabulary 50257), the model `hetcomm train` builds by default (bytes), and
+# BERT's (WordPiece vocabulary 30522): pre-training (-mlm) or SQuAD fine-tuning (-qa).
 PRESETS = {shape.name: shape for shape in (
     ModelShape("gpt2-124m", 12, 12, 768, 50257),
     ModelShape("gpt2-355m", 24, 16, 1024, 50257),
     ModelShape("gpt2-774m", 36, 20, 1280, 50257),
     ModelShape("gpt2-1.5b", 48, 25, 1600, 50257),
     ModelShape("hetcomm-default", 2, 4, 192, 256),
+    ModelShape("bert-base", 12, 12, 768, 30522, "bert", "mlm"),
+    ModelShape("bert-base-qa", 12, 12, 768, 30522, "bert", "qa"),
+    ModelShape("bert-large", 24, 16, 1024, 30522, "bert", "mlm"),
+    ModelShape("bert-large-qa", 24, 16, 1024, 30522, "bert", "qa"),
 )}
 
 _CUSTOM_KEYS = {"layers": "n_layer", "heads": "n_head", "dim": "n_embd", "vocab": "vocab_size"}

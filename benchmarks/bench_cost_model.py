@@ -1,0 +1,121 @@
+"""The planner's cost model against published training measurements
+(hetcomm/plan/measurements.csv, max_batch.csv): leave-one-source-out error, absolute and
+relative (ratios between GPU kinds within one source and workload), the TF32 and
+fp16-on-Pascal rows, the largest micro-batches, and the full fit's residuals.
+
+Targets (issue 18): relative within 15% on average, at most 30%; absolute within 20%
+on average; TF32 and fp16-on-Pascal rows within 30%; maximum batch sizes within 25%.
+
+    python benchmarks/bench_cost_model.py                     # table on stdout, ~10 s
+    python benchmarks/bench_cost_model.py --out benchmarks/results/cost_model_2026-12-01
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from hetcomm.plan.catalog import load_catalog
+from hetcomm.plan.cost import math_of
+from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_max_batches, load_measurements, predict,
+                              predicted_cap, relative_errors, summary)
+
+WORST_PAIRS = 8
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def report() -> tuple[str, dict]:
+    catalog = load_catalog()
+    rows = load_measurements()
+    predictions = leave_one_source_out(rows, catalog)
+    pairs = relative_errors(predictions)
+    lines = ["## Leave-one-source-out (each source predicted from a fit to the others)", "",
+             "| source | rows | absolute mean | absolute max | GPU pairs | relative mean | relative max |",
+             "|---|---|---|---|---|---|---|"]
+    record: dict = {"sources": {}}
+    for source in [*dict.fromkeys(p.row.source for p in predictions), "all"]:
+        mine = [p.error for p in predictions if source in ("all", p.row.source)]
+        theirs = [e.error for e in pairs if source in ("all", e.first.row.source)]
+        (absolute, absolute_max), (relative, relative_max) = summary(mine), summary(theirs)
+        lines.append(f"| {source} | {len(mine)} | {percent(absolute)} | {percent(absolute_max)} | {len(theirs)} | "
+                     f"{percent(relative)} | {percent(relative_max)} |")
+        record["sources"][source] = {"rows": len(mine), "absolute_mean": absolute, "absolute_max": absolute_max,
+                                     "pairs": len(theirs), "relative_mean": relative, "relative_max": relative_max}
+    lines += ["", f"Worst {WORST_PAIRS} pairs (predicted ratio over measured):", ""]
+    for pair in sorted(pairs, key=lambda e: -e.error)[:WORST_PAIRS]:
+        a, b = pair.first.row, pair.second.row
+        lines.append(f"- {percent(pair.error)}: {a.source} {a.model}-{a.task} {a.gpu} {a.precision} b{a.micro_batch} / "
+                     f"{b.gpu} {b.precision} b{b.micro_batch}")
+
+    def special(title: str, chosen) -> None:
+        lines.extend(["", f"## {title} (leave-one-source-out)", "", "| source | GPU | model | micro-batch | measured | "
+                      "predicted | error |", "|---|---|---|---|---|---|---|"])
+        errors = []
+        for p in chosen:
+            r = p.row
+            errors.append(p.error)
+            lines.append(f"| {r.source} | {r.gpu} | {r.model}-{r.task} {r.seq} | {r.micro_batch} | {r.throughput:g} | "
+                         f"{p.predicted:.1f} | {p.error:+.1%} |")
+        mean, largest = summary(errors)
+        lines.append(f"\nmean |error| {percent(mean)}, max {percent(largest)}")
+        record[title] = {"mean": mean, "max": largest, "rows": len(errors)}
+
+    special("TF32 rows", [p for p in predictions if p.row.precision == "tf32"])
+    special("fp16 on Pascal (16-bit storage, fp32 math)",
+            [p for p in predictions if math_of(catalog.device(p.row.gpu), p.row.precision) == "fp16-fp32math"])
+
+    lines += ["", "## Largest micro-batch: published maxima", "", "| source | GPU | model | seq | published | "
+              "predicted | error |", "|---|---|---|---|---|---|---|"]
+    record["max_batch"] = []
+    for row in load_max_batches():
+        cap = predicted_cap(row, catalog)
+        error = cap / row.max_batch - 1 if row.max_batch else None
+        lines.append(f"| {row.source} | {row.gpu} | {row.model} | {row.seq} | {row.max_batch} | {cap} | "
+                     f"{'-' if error is None else f'{error:+.0%}'} |")
+        record["max_batch"].append({"model": row.model, "seq": row.seq, "published": row.max_batch, "predicted": cap})
+    lines += ["", "## Largest micro-batch against the micro-batches lambda-2022 ran (each ran, so each is at most the "
+              "maximum; NGC 22.x chose them to fill the card)", "",
+              "| GPU | model | precision | ran | predicted maximum | predicted / ran |", "|---|---|---|---|---|---|"]
+    from hetcomm.plan.fit import MaxBatch
+    ratios = []
+    for r in rows:
+        if r.source == "lambda-2022" and r.gpus == 1:
+            cap = predicted_cap(MaxBatch(r.source, r.gpu, r.model, r.task, r.seq, r.precision, r.attention, 0, "", ""),
+                                catalog)
+            ratios.append(cap / r.micro_batch)
+            lines.append(f"| {r.gpu} | {r.model} | {r.precision} | {r.micro_batch} | {cap} | {cap / r.micro_batch:.2f} |")
+    lines.append(f"\npredicted / ran: min {min(ratios):.2f}, mean {sum(ratios) / len(ratios):.2f}, "
+                 f"max {max(ratios):.2f}")
+    record["lambda_2022_cap_over_ran"] = {"min": min(ratios), "mean": sum(ratios) / len(ratios), "max": max(ratios)}
+
+    fitted = fit_efficiencies(rows, catalog)
+    lines += ["", "## Residuals of the fit to every source (efficiency.csv)", "",
+              "| source | GPU | model | precision | micro-batch | measured | fitted | residual |",
+              "|---|---|---|---|---|---|---|---|"]
+    record["residuals"] = []
+    for r in rows:
+        if r.gpus == 1:
+            value = predict(r, catalog, fitted)
+            lines.append(f"| {r.source} | {r.gpu} | {r.model}-{r.task} {r.seq} | {r.precision} | {r.micro_batch} | "
+                         f"{r.throughput:g} | {value:.1f} | {value / r.throughput - 1:+.1%} |")
+            record["residuals"].append({"source": r.source, "gpu": r.gpu, "model": r.model, "task": r.task,
+                                        "seq": r.seq, "precision": r.precision, "micro_batch": r.micro_batch,
+                                        "measured": r.throughput, "fitted": value})
+    return "\n".join(lines) + "\n", record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="write OUT.md and OUT.json")
+    args = parser.parse_args()
+    text, record = report()
+    print(text)
+    if args.out:
+        Path(args.out + ".md").write_text("# Cost model against published measurements\n\n" + text)
+        Path(args.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

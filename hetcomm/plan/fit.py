@@ -1,0 +1,303 @@
+"""The cost model's efficiencies, fitted to published training measurements
+(measurements.csv), and the model's error on them.
+
+A measurement is a training run: micro-batch b, accumulation k, on `gpus` cards. The
+model predicts its throughput from the planner's line per device (hetcomm.plan.cost):
+
+    sequences/s = gpus · k·b / (k·(a + c·b) + update),
+
+where c's matmul time F/(e·peak) + s·F/fp32_peak (s on tensor cores only) holds the
+unknowns: e, the share of peak, one per math (fp32, tf32, tensor16; 16-bit storage
+with fp32 math shares fp32's) at three levels — compute capability, architecture, and
+all pooled, the first that has rows being used — and s, one SIMT share for all. For
+each s on a grid, each e is the 1-D least-squares fit of log(predicted / measured)
+over the rows it covers; the s with the least total error is kept.
+
+Leave-one-source-out judges it: the rows of each source (one campaign: the same code
+and software) are predicted from a fit to the other sources only. Absolute error is
+predicted / measured - 1; relative error compares, within one source and workload,
+the ratio of two GPU kinds' throughputs with the predicted ratio — what decides a
+split. Multi-GPU rows are left out of both (the all-reduce is not what is fitted).
+
+    python -m hetcomm.plan.fit            # refit efficiency.csv from measurements.csv
+"""
+
+import csv
+import importlib.resources
+import io
+import itertools
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hetcomm.plan.catalog import Catalog, load_catalog
+from hetcomm.plan.cost import (CONTEXT_BYTES, SIMT_SHARE_KEY, STATE_BYTES_PER_PARAMETER, STORAGE, device_cost,
+                               efficiency_keys, lookup_efficiency, matmul_seconds, micro_batch_cap, peak_flops,
+                               per_tensor_optimizer_seconds)
+from hetcomm.plan.model_shape import PRESETS, ModelShape
+
+# The search range for a share of peak, and the golden-section steps that narrow it to
+# well under 0.1% of its value; the SIMT shares tried.
+EFFICIENCY_RANGE = (0.02, 1.0)
+SEARCH_STEPS = 40
+SIMT_SHARE_GRID = tuple(i / 100 for i in range(31))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    source: str
+    gpu: str
+    gpus: int
+    model: str          # bert-base / bert-large
+    task: str           # qa / mlm
+    seq: int
+    micro_batch: int
+    accumulation: int
+    precision: str
+    attention: str
+    optimizer: str      # fused, or per-tensor (a Python loop over the parameters)
+    throughput: float   # sequences per second, all gpus together
+    software: str
+    citation: str
+
+    @property
+    def shape(self) -> ModelShape:
+        return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
+
+    @property
+    def workload(self) -> tuple:
+        """What two rows of one source must share for their ratio to compare GPUs."""
+        return self.source, self.model, self.task, self.seq
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    source: str
+    gpu: str
+    model: str
+    task: str
+    seq: int
+    precision: str
+    attention: str
+    max_batch: int
+    software: str
+    citation: str
+
+    @property
+    def shape(self) -> ModelShape:
+        return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
+
+
+def _rows(filename: str, text: str | None = None) -> list[dict[str, str]]:
+    if text is None:
+        text = (importlib.resources.files("hetcomm") / "plan" / filename).read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def load_measurements(text: str | None = None) -> list[Measurement]:
+    """measurements.csv (or `text` in its format)."""
+    integers = ("gpus", "seq", "micro_batch", "accumulation")
+    return [Measurement(**{k: int(v) if k in integers else float(v) if k == "throughput" else v
+                           for k, v in row.items()}) for row in _rows("measurements.csv", text)]
+
+
+def load_max_batches(text: str | None = None) -> list[MaxBatch]:
+    return [MaxBatch(**{k: int(v) if k in ("seq", "max_batch") else v for k, v in row.items()})
+            for row in _rows("max_batch.csv", text)]
+
+
+def predict(row: Measurement, catalog: Catalog, efficiencies: dict[tuple[str, str], float]) -> float:
+    """The model's sequences per second for a single-GPU measurement (as run: no wire
+    buffers, the whole memory)."""
+    device = catalog.device(row.gpu)
+    cost = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
+                       attention=row.attention, efficiencies=efficiencies)
+    step = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch) + _update(row, cost.update_seconds)
+    return row.gpus * row.accumulation * row.micro_batch / step
+
+
+def _update(row: Measurement, update_seconds: float) -> float:
+    return update_seconds + (per_tensor_optimizer_seconds(row.shape) if row.optimizer == "per-tensor" else 0.0)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A row's prediction with the unknowns left open: per sample, flops_e / e +
+    simt · s + rest; the step, accumulation·(fixed + b·per_sample) + update."""
+
+    row: Measurement
+    keys: tuple[tuple[str, str], ...]
+    flops_e: float      # FLOPs / the math's peak
+    simt: float         # FLOPs / the fp32 peak on tensor cores, else 0
+    rest: float         # the memory-bound seconds per sample
+    fixed: float
+    update: float
+    fp32_path: float = math.inf   # tf32: the matmuls on the fp32 units, at their fitted efficiency
+
+    @classmethod
+    def of(cls, row: Measurement, catalog: Catalog) -> "_Parts":
+        device = catalog.device(row.gpu)
+        unit = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
+                           attention=row.attention, efficiency=1.0)
+        seconds = matmul_seconds(device, row.shape, row.seq, row.precision, 1.0)
+        return cls(row, efficiency_keys(device, row.precision), seconds,
+                   matmul_seconds(device, row.shape, row.seq, row.precision, 1.0, 1.0) - seconds,
+                   unit.per_sample - seconds, unit.fixed, _update(row, unit.update_seconds))
+
+    def log_error(self, efficiency: float, simt_share: float) -> float:
+        per_sample = min(self.flops_e / efficiency + self.simt * simt_share, self.fp32_path) + self.rest
+        k, b = self.row.accumulation, self.row.micro_batch
+        predicted = k * b / (k * (self.fixed + b * per_sample) + self.update)
+        return math.log(predicted / self.row.throughput)
+
+
+def predicted_cap(row: MaxBatch, catalog: Catalog) -> int:
+    """The largest micro-batch the model says fits on the whole card, single GPU."""
+    device = catalog.device(row.gpu)
+    shape, storage = row.shape, STORAGE[row.precision]
+    state = shape.parameters(row.seq) * STATE_BYTES_PER_PARAMETER[storage] + CONTEXT_BYTES
+    return micro_batch_cap(device.memory_gib * 2**30, state,
+                           shape.activation_bytes_per_sample(row.seq, storage, row.attention))
+
+
+def _fit_one(parts: Sequence[_Parts], simt_share: float) -> tuple[float, float]:
+    """The share of peak that minimises the squared log error of `parts`, and that
+    error: golden-section search on its logarithm (the error is unimodal in it: the
+    matmul time falls monotonically as it grows)."""
+    def error(log_value: float) -> float:
+        return sum(p.log_error(math.exp(log_value), simt_share) ** 2 for p in parts)
+
+    low, high = (math.log(v) for v in EFFICIENCY_RANGE)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(SEARCH_STEPS):
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        if error(a) < error(b):
+            high = b
+        else:
+            low = a
+    best = (low + high) / 2
+    return math.exp(best), error(best)
+
+
+def fit_efficiencies(rows: Iterable[Measurement], catalog: Catalog) -> dict[tuple[str, str], float]:
+    """(level, math) -> share of peak at every level some single-GPU row covers, and
+    SIMT_SHARE_KEY -> the SIMT share."""
+    parts = [_Parts.of(row, catalog) for row in rows if row.gpus == 1]
+    # fp32 first: TF32's alternative path depends on it, and nothing of it on the SIMT share.
+    fitted = _fit_levels([p for p in parts if p.keys[0][1] == "fp32"], 0.0)
+    tensor = []
+    for part in parts:
+        if part.keys[0][1] == "tf32":
+            device = catalog.device(part.row.gpu)
+            fp32 = lookup_efficiency(efficiency_keys(device, "fp32"), fitted)
+            part = replace(part, fp32_path=part.flops_e * peak_flops(device, "tf32") / peak_flops(device, "fp32") / fp32)
+        if part.keys[0][1] != "fp32":
+            tensor.append(part)
+    simt_share = min(SIMT_SHARE_GRID, key=lambda share: _fit_levels(tensor, share, most_specific_error=True))
+    fitted |= _fit_levels(tensor, simt_share)
+    fitted[SIMT_SHARE_KEY] = simt_share
+    return fitted
+
+
+def _fit_levels(parts: Sequence[_Parts], simt_share: float, most_specific_error: bool = False):
+    """Every level's fit of `parts`; or, with most_specific_error, the total error of the
+    most specific level, which decides each row's prediction."""
+    levels: list[dict[tuple[str, str], list[_Parts]]] = [{}, {}, {}]
+    for part in parts:
+        for level, key in zip(levels, part.keys):
+            level.setdefault(key, []).append(part)
+    if most_specific_error:
+        return sum(_fit_one(members, simt_share)[1] for members in levels[0].values())
+    return {key: _fit_one(members, simt_share)[0] for level in levels for key, members in level.items()}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    row: Measurement
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.row.throughput - 1
+
+
+def leave_one_source_out(rows: Sequence[Measurement], catalog: Catalog) -> list[Prediction]:
+    """Every single-GPU row predicted from a fit to the other sources' rows."""
+    predictions = []
+    for source in dict.fromkeys(r.source for r in rows):
+        fitted = fit_efficiencies([r for r in rows if r.source != source], catalog)
+        predictions += [Prediction(r, predict(r, catalog, fitted)) for r in rows if r.source == source and r.gpus == 1]
+    return predictions
+
+
+@dataclass(frozen=True)
+class PairError:
+    first: Prediction
+    second: Prediction
+
+    @property
+    def error(self) -> float:
+        """The predicted throughput ratio of the two over the measured one, minus 1,
+        taken the way round that makes it positive-or-small (|error| is symmetric)."""
+        measured = self.first.row.throughput / self.second.row.throughput
+        predicted = self.first.predicted / self.second.predicted
+        ratio = predicted / measured
+        return ratio - 1 if ratio >= 1 else 1 / ratio - 1
+
+
+def relative_errors(predictions: Sequence[Prediction]) -> list[PairError]:
+    """Every pair of different GPU kinds within one source and workload, each at the
+    precision it ran (a mixed cluster runs every card at its own)."""
+    groups: dict[tuple, list[Prediction]] = {}
+    for p in predictions:
+        groups.setdefault(p.row.workload, []).append(p)
+    return [PairError(a, b) for members in groups.values() for a, b in itertools.combinations(members, 2)
+            if a.row.gpu != b.row.gpu]
+
+
+def summary(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and maximum of |values|."""
+    magnitudes = [abs(v) for v in values]
+    return statistics.fmean(magnitudes), max(magnitudes)
+
+
+def efficiency_table(fitted: dict[tuple[str, str], float], rows: Sequence[Measurement], catalog: Catalog) -> str:
+    """efficiency.csv's text."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in rows:
+        if row.gpus == 1:
+            for key in efficiency_keys(catalog.device(row.gpu), row.precision):
+                counts[key] = counts.get(key, 0) + 1
+    out = io.StringIO()
+    out.write("# The cost model's fitted constants: hetcomm.plan.fit fits them to measurements.csv\n"
+              "# (python -m hetcomm.plan.fit rewrites this file).\n"
+              "# level: a compute capability (sm_XY), an architecture, or * (pooled over all); the most specific level\n"
+              "# with a row is used. math: fp32 (SIMT, and 16-bit storage with fp32 math on cards without tensor\n"
+              "# cores), tf32, tensor16 (fp16/bf16 on tensor cores): value is the share of that math's peak FLOP/s\n"
+              "# the matmuls reach; simt-share: the tensor-core matmuls' time that runs at the fp32 rate instead.\n"
+              "# rows: the single-GPU measurements behind it.\n")
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(("level", "math", "value", "rows"))
+    order = {"sm": 0, "*": 2}
+    for key in sorted(fitted, key=lambda k: (order.get(k[0][:2] if k[0] != "*" else "*", 1), k)):
+        writer.writerow((*key, f"{fitted[key]:.4f}", counts.get(key, sum(counts.get(("*", m), 0) for m in
+                                                                          ("tf32", "tensor16")) if key == SIMT_SHARE_KEY else 0)))
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    catalog = load_catalog()
+    rows = load_measurements()
+    fitted = fit_efficiencies(rows, catalog)
+    path = Path(__file__).with_name("efficiency.csv")
+    path.write_text(efficiency_table(fitted, rows, catalog), encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
