@@ -8,7 +8,7 @@ from hetcomm.amp import DynamicLossScaler, compute_precision
 
 @pytest.mark.parametrize("capability, expected", [
     ((6, 0), "fp16"),   # P100: fast fp16, no bf16
-    ((6, 1), "fp32"),   # GTX 1080 Ti / Titan Xp / P40: fp16 at 1/64 rate, stay fp32
+    ((6, 1), "fp16"),   # GTX 1080 Ti / Titan Xp / P40: fp16 storage, fp32 math (cuBLAS), faster than fp32
     ((7, 0), "fp16"),   # V100
     ((7, 5), "fp16"),   # T4, RTX 2080 Ti
     ((8, 0), "bf16"),   # A100
