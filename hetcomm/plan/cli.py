@@ -9,8 +9,9 @@ import time
 from hetcomm.plan.calibrate import RunProfile, load_run_profile
 from hetcomm.plan.catalog import Catalog, load_catalog
 from hetcomm.plan.cluster import parse_cluster
-from hetcomm.plan.model_shape import PRESETS, parse_model
+from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, PRESETS, parse_model
 from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
+from hetcomm.plan.precision import parse_precision
 from hetcomm.plan.report import plan_dict, plan_text, simulation_dict, simulation_text
 from hetcomm.plan.simulate import simulate
 from hetcomm.train.simulate import parse_slowdown
@@ -41,18 +42,26 @@ def parser() -> argparse.ArgumentParser:
                                      f"(default {DEFAULTS['model']})")
     job.add_argument("--global-batch", type=int,
                      help=f"sequences per optimizer step (default {DEFAULTS['global_batch']})")
-    job.add_argument("--seq", type=int, help=f"tokens per sequence (default {DEFAULTS['seq']})")
+    job.add_argument("--seq", type=int,
+                     help=f"tokens per sequence (default {DEFAULTS['seq']}; {BERT_POSITIONS} for bert-*)")
     job.add_argument("--wire", choices=tuple(WIRE_BYTES), default="fp16", help="all-reduce dtype (default fp16)")
-    job.add_argument("--precision", default="auto", help="auto (per card: fp32 on sm_61, fp16 on sm_60/70/75, bf16 "
-                                                         "from sm_80), fp32, fp16 or bf16")
+    job.add_argument("--precision", default="auto",
+                     help="auto (per card, as hetcomm train: fp16 before sm_80, bf16 from it), fp32, tf32, fp16 or "
+                          "bf16 for every card, or per kind of card: v100=fp16,1080ti=fp32 (a bare value sets the "
+                          "others)")
+    job.add_argument("--attention", choices=ATTENTIONS,
+                     help="fused: scaled_dot_product_attention, scores never stored (hetcomm train, the default for "
+                          "GPT models); eager: softmax(QK^T)V in separate kernels, seq x seq scores stored per head "
+                          "(BERT-era code, HetSeq's included: the default for bert-* models)")
     job.add_argument("--overlap", action="store_true", help="buckets all-reduced during backward "
                                                             "(WeightedReducer overlap=True)")
     model = p.add_argument_group("the model of speed and memory")
     model.add_argument("--memory-fraction", type=float, default=0.9, help="share of each card's memory to plan "
                                                                           "with (default 0.9)")
     model.add_argument("--efficiency", type=float,
-                       help="share of peak FLOP/s the matmuls reach, for every card (default 0.7 without tensor "
-                            "cores, 0.5 with; memory-bound work is costed apart)")
+                       help="share of peak FLOP/s the matmuls reach, for every card (default: fitted per "
+                            "architecture and math to published training runs, efficiency.csv; memory-bound work is "
+                            "costed apart)")
     model.add_argument("--profile", metavar="RUN_DIR", help="a `hetcomm train` run: plan its cluster from its "
                                                             "measurements, or calibrate the --cluster's cards by it")
     model.add_argument("--profile-steps", metavar="FIRST:LAST", help="the run's steps to use (default 1: to the end)")
@@ -97,7 +106,9 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
                          "RUN_DIR; --list-devices shows the known cards")
     from_run = profile is not None and args.cluster is None
     model = parse_model(args.model) if args.model else (profile.model if from_run else parse_model(DEFAULTS["model"]))
-    seq = args.seq or (profile.seq if from_run else DEFAULTS["seq"])
+    seq = args.seq or (profile.seq if from_run else BERT_POSITIONS if model.kind == "bert" else DEFAULTS["seq"])
+    if model.kind == "bert" and seq > BERT_POSITIONS:
+        raise ValueError(f"--seq {seq}: {model.name} has position embeddings for {BERT_POSITIONS} tokens")
     global_batch = args.global_batch or (profile.global_batch if from_run else DEFAULTS["global_batch"])
     measured = profile.link if from_run else None
     in_node = catalog.link(args.intra) if args.intra else (measured or catalog.link(DEFAULTS["intra"]))
@@ -112,8 +123,10 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
         efficiency = profile.efficiencies(catalog) if profile else {}
         if args.efficiency is not None:
             efficiency = {entry.device.name: args.efficiency for entry in cluster}
-        members = spec_members(cluster, model, seq, precision=args.precision, wire=args.wire,
-                               memory_fraction=args.memory_fraction, efficiency=efficiency)
+        precision = parse_precision(args.precision, catalog, [entry.device for entry in cluster])
+        members = spec_members(cluster, model, seq, precision=precision, wire=args.wire,
+                               memory_fraction=args.memory_fraction, efficiency=efficiency,
+                               attention=args.attention or ("eager" if model.kind == "bert" else "fused"))
     plan = make_plan(members, model, seq, global_batch, in_node=in_node, between_nodes=between, wire=args.wire,
                      overlap=args.overlap, memory_fraction=args.memory_fraction)
     return plan, profile

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetcomm.amp import PRECISIONS, precision_for_capability
 from hetcomm.balance import Split, equal_split, predict_rank_times, solve_split
 from hetcomm.plan.catalog import Device, Link
 from hetcomm.plan.cluster import ClusterDevice
 from hetcomm.plan.cost import (CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost, device_cost,
                                exposed_communication)
 from hetcomm.plan.model_shape import ModelShape
+from hetcomm.plan.precision import CHOICES as PRECISION_CHOICES, PrecisionChoice
 
 WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKWARD_SHARE = 2 / 3   # backward does two of the three matmuls per weight
@@ -115,23 +115,26 @@ def ring_link(nodes: set[int], in_node: Link, between_nodes: Link) -> Link:
     return min((in_node, between_nodes), key=lambda link: (link.bandwidth_gbs, -link.latency_us))
 
 
-def spec_members(cluster: Sequence[ClusterDevice], model: ModelShape, seq: int, *, precision: str = "auto",
-                 wire: str = "fp16", memory_fraction: float = 0.9,
-                 efficiency: dict[str, float] | None = None) -> list[Member]:
-    """Members costed from the device database; `efficiency` maps device names to a
-    calibrated share of peak (others get the default)."""
-    if precision != "auto" and precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: expected auto or one of {', '.join(PRECISIONS)}")
+def spec_members(cluster: Sequence[ClusterDevice], model: ModelShape, seq: int, *,
+                 precision: "str | PrecisionChoice" = "auto", wire: str = "fp16", memory_fraction: float = 0.9,
+                 efficiency: dict[str, float] | None = None, attention: str = "fused") -> list[Member]:
+    """Members costed from the device database; `precision` is one for all ("auto":
+    each card by hetcomm.amp's policy) or a PrecisionChoice per kind of card;
+    `efficiency` maps device names to a calibrated share of peak (others get the
+    fitted one)."""
+    if isinstance(precision, str):
+        if precision not in PRECISION_CHOICES:
+            raise ValueError(f"--precision {precision!r}: expected one of {', '.join(PRECISION_CHOICES)}")
+        precision = PrecisionChoice(precision)
     efficiency = efficiency or {}
     costs: dict[str, DeviceCost] = {}   # one per kind of card: a 10,000-card cluster has a handful
     members = []
     for entry in cluster:
         device = entry.device
         if device.name not in costs:
-            chosen = precision_for_capability(device.capability) if precision == "auto" else precision
-            costs[device.name] = device_cost(device, model, seq, chosen, wire_bytes=WIRE_BYTES[wire],
-                                             memory_fraction=memory_fraction,
-                                             efficiency=efficiency.get(device.name))
+            costs[device.name] = device_cost(device, model, seq, precision.for_device(device),
+                                             wire_bytes=WIRE_BYTES[wire], memory_fraction=memory_fraction,
+                                             efficiency=efficiency.get(device.name), attention=attention)
         source = "specification" + (", calibrated efficiency" if device.name in efficiency else "")
         members.append(Member(device.name, device.label, entry.node, costs[device.name], source, device=device))
     return members
@@ -233,11 +236,11 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
     a smaller model when its state alone does not fit; otherwise 16-bit activations, a
     shorter sequence (micro-batches are already 1, so accumulation cannot help)."""
     largest = max(members, key=lambda m: m.device.memory_gib)
-    device, chosen = largest.device, largest.cost.precision
+    device, chosen, attention = largest.device, largest.cost.precision, largest.cost.attention
 
     def cost(seq_: int, precision_: str) -> DeviceCost:
         return device_cost(device, model, seq_, precision_, wire_bytes=WIRE_BYTES[wire],
-                           memory_fraction=memory_fraction)
+                           memory_fraction=memory_fraction, attention=attention)
 
     gib = 2**30
     here = cost(seq, chosen)
@@ -250,11 +253,10 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
                 f"a larger --memory-fraction, or a model of at most about {largest_model:.0f}M parameters (before "
                 f"activations) would fit on the {device.label}.")
     options = []
-    if chosen == "fp32" and device.capability >= (6, 0):
+    if chosen in ("fp32", "tf32") and device.capability >= (6, 0):
         half = "bf16" if device.bf16_tflops else "fp16"
         if cost(seq, half).cap:
-            slow = ", slow arithmetic on sm_61" if device.capability == (6, 1) else ""
-            options.append(f"--precision {half} (16-bit activations{slow})")
+            options.append(f"--precision {half} (16-bit activations)")
     shorter = seq
     while shorter > 1 and not cost(shorter, chosen).cap:
         shorter //= 2
