@@ -34,6 +34,13 @@ def scenarios(rank, world, counts):
     total_from_counts = reducer.reduce(count=n).total
     out["count"] = (grads_of(model), total_from_counts)
 
+    # Gradients of the loss summed over the rank's n samples and divided by 5, not by n.
+    local_backward(model, rank, counts, scale=n / 5.0)
+    reducer.reduce(count=n, grad_divisor=5.0)
+    out["count_divisor"] = grads_of(model)
+    out["divisor_errors"] = [error_of(lambda: reducer.reduce(weight=n / total, grad_divisor=5.0)),
+                             error_of(lambda: reducer.reduce(count=n, grad_divisor=0.0))]
+
     reducer16 = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float16)
     local_backward(model, rank, counts, scale=LOSS_SCALE)
     result = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE)
@@ -184,6 +191,15 @@ def test_count_mode_matches_weight_mode(ranks):
         for name, g in r["fp32"][0].items():
             if g is not None:
                 torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9)
+
+
+def test_count_mode_with_a_gradient_divisor_of_its_own(ranks):
+    reference = reference_gradient(COUNTS)
+    for r in ranks:
+        assert_close_to_reference(r["count_divisor"], reference, 1e-6)
+        assert [message for _, message in r["divisor_errors"]] == [
+            "hetcomm.WeightedReducer: grad_divisor goes with count=, not weight=",
+            "hetcomm.WeightedReducer: grad_divisor = 0.0: expected a finite positive number"]
 
 
 def test_fp16_wire_within_its_rounding(ranks):

@@ -1,6 +1,7 @@
 """WeightedReducer: the weighted gradient all-reduce for custom training loops."""
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,6 +28,12 @@ class ReduceResult:
     weight: float       # this rank's weight n_i / N
     total: float        # N when counts were given, else the sum of the weights
     gathered: list[list[float]] | None = None  # per rank, the gather= values it passed (gather_size > 0)
+
+
+def _pack_weight(share: Share, grad_divisor: float | None) -> float:
+    """The factor this rank's gradients are packed with: n_i / N for gradients of the
+    mean over its n_i items, grad_divisor / N for their sum over grad_divisor."""
+    return share.weight if grad_divisor is None else grad_divisor / share.total
 
 
 def check_wire_dtype(wire_dtype: torch.dtype, group, who: str) -> None:
@@ -136,7 +143,7 @@ class WeightedReducer:
             self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, holders[id(p)]))
                            for p in self.params]
 
-    def reduce(self, weight: float | None = None, *, count: float | None = None,
+    def reduce(self, weight: float | None = None, *, count: float | None = None, grad_divisor: float | None = None,
                loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None,
                while_in_flight: Callable[[list[list[float]] | None], None] | None = None) -> ReduceResult:
         """begin() and finish() in one call, after backward (not with overlap=True).
@@ -156,7 +163,7 @@ class WeightedReducer:
         if self.overlap:
             raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
                                f"after it")
-        self._check_start(weight, count)
+        self._check_start(weight, count, grad_divisor)
         # After backward the gradients present are known, so which parameters no rank has a
         # gradient for rides in the agreement instead of a collective of its own.
         agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
@@ -180,7 +187,7 @@ class WeightedReducer:
                     # so that every rank has issued the same collectives and the group stays usable.
                     self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
                 raise
-            self._step = self._new_step(share.weight, loss_scale)
+            self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
             self._step.share = share
             if while_in_flight is not None:
                 self._launch_all()
@@ -196,7 +203,7 @@ class WeightedReducer:
         while self._next_launch < len(self.buckets):
             self._launch_next(self._step)
 
-    def begin(self, weight: float | None = None, *, count: float | None = None,
+    def begin(self, weight: float | None = None, *, count: float | None = None, grad_divisor: float | None = None,
               loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> None:
         """Agrees with the other ranks on this step's weights; with overlap=True, arms
         the gradient hooks for the coming backward.
@@ -206,6 +213,10 @@ class WeightedReducer:
                 must add up to 1.
             count: instead of weight, this rank's n_i (samples, or tokens that carry loss);
                 N is obtained in the same tiny all-reduce.
+            grad_divisor: with count, what the local gradients were divided by, when that
+                is not n_i: they hold the loss summed over the n_i items / grad_divisor (a
+                divisor fixed before backward, when n_i is known only after it, as for
+                masked tokens); they are weighted by grad_divisor / N.
             loss_scale: the factor the local gradients carry (the loss was multiplied by
                 it before backward); divided out while unpacking.
             gather: gather_size numbers of this rank's, returned to every rank in the
@@ -213,15 +224,21 @@ class WeightedReducer:
 
         Raises the same ValueError on every rank if any rank's weight, count or gather is bad.
         """
-        self._check_start(weight, count)
+        self._check_start(weight, count, grad_divisor)
         share = agree_share(float(weight if count is None else count), count is not None, self.control_group,
                             self.timeout, self.who, gathered=gather, gather_size=self.gather_size)
-        self._step = self._new_step(share.weight, loss_scale)
+        self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
         self._step.share = share
 
-    def _check_start(self, weight, count) -> None:
+    def _check_start(self, weight, count, grad_divisor) -> None:
         if (weight is None) == (count is None):
             raise ValueError(f"{self.who}: pass exactly one of weight= and count=")
+        if grad_divisor is not None:
+            if count is None:
+                raise ValueError(f"{self.who}: grad_divisor goes with count=, not weight=")
+            if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, (int, float)) \
+                    or not math.isfinite(grad_divisor) or grad_divisor <= 0:
+                raise ValueError(f"{self.who}: grad_divisor = {grad_divisor!r}: expected a finite positive number")
         if self._step is not None:
             raise RuntimeError(f"{self.who}: begin() called twice; call finish() to end the previous step")
         if not self._layout_checked:
