@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hetcomm.balance.handoff import check_size
-from hetcomm.train.host_memory import keep_freed_memory
+from hetcomm.loop.host_memory import keep_freed_memory
 from hetcomm.train.model import GPT, GPTConfig
 
 REPEATS = 7

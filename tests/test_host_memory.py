@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hetcomm.train.host_memory import keep_freed_memory
+from hetcomm.loop.host_memory import keep_freed_memory
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -16,7 +16,7 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 STEPS = """
 import json, resource, sys
 import torch
-from hetcomm.train.host_memory import keep_freed_memory
+from hetcomm.loop.host_memory import keep_freed_memory
 from hetcomm.train.model import GPT, GPTConfig
 if sys.argv[1] == "keep":
     assert keep_freed_memory()

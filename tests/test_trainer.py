@@ -54,9 +54,9 @@ def train_with_probed_caps(rank, world, config, probed):
     """A device that holds probed[rank] windows at most (None: no limit), as the CUDA
     allocator's out-of-memory errors would tell the probe."""
     from hetcomm.balance import MemoryProbe
-    from hetcomm.train import trainer as trainer_module
+    from hetcomm.loop import balanced_loop
 
-    trainer_module.probe_memory = lambda step, device, max_size: MemoryProbe(probed[rank], None, ())
+    balanced_loop.probe_memory = lambda step, device, max_size: MemoryProbe(probed[rank], None, ())
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     caps = trainer.caps
     trainer.run()
@@ -75,7 +75,7 @@ def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
     refused = run_ranks(2, train_with_probed_caps, tiny_config(tmp_path, out=str(tmp_path / "z")), [None, 0],
                         tmp_path=tmp_path / "z")
     for result in refused:
-        assert result["type"] == "ValueError" and "rank 1 cannot hold one window of 16 tokens" in result["message"]
+        assert result["type"] == "ValueError" and "rank 1 cannot hold one sample" in result["message"]
 
 
 def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
@@ -88,7 +88,7 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     first = steps[0]["micro_batch"]
     assert sum(first) == 16 and first[0] > 2 * first[1]   # rank 1 runs at a fifth of the speed
     assert steps[0]["phase"] == "balanced"
-    assert json.loads((Path(config.out) / "run.json").read_text())["probe_s"] > 0
+    assert json.loads((Path(config.out) / "summary.json").read_text())["probe_s"] > 0
     # The timed part is training: the first step, dealt in two parts, has the same 16
     # windows and the same mean gradient as the equal split dealt whole.
     equal = values(run_ranks(2, train, replace(config, split="8,8", out=str(tmp_path / "equal")),
@@ -238,10 +238,10 @@ def shares_saved_and_resumed(rank, world, config):
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     trainer.run(until=5)
     trainer.save_checkpoint()
-    saved = list(trainer.check_share.recent)
+    saved = list(trainer.loop.check_share.recent)
     resumed = Trainer(replace(config, resume=str(trainer.checkpoint_path), out=str(Path(config.out).with_name("r"))),
                       rank, world, torch.device("cpu"))
-    return saved, list(resumed.check_share.recent)
+    return saved, list(resumed.loop.check_share.recent)
 
 
 def test_a_resumed_run_keeps_each_rank_s_handoff_check_shares(tmp_path):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+# 2: the balancing state under "loop" (hetcomm.loop.BalancedLoop.state_dict).
+FORMAT = 2
 
 
 class CheckpointError(ValueError):

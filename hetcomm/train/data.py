@@ -95,6 +95,16 @@ class TokenWindows:
     def __len__(self) -> int:
         return (self.tokens.size - 1) // self.block_size
 
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.batch([index])
+        return inputs[0], targets[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The windows at `indices` as (inputs, targets) pairs, copied out of the tokens in
+        one batch (what a DataLoader, and hetcomm.loop, fetch a batch with)."""
+        inputs, targets = self.batch(indices)
+        return list(zip(inputs, targets))
+
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of these windows, as int64 tensors [len(indices), T]."""
         if not indices:

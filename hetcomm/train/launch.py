@@ -3,55 +3,24 @@
 a simulated heterogeneous cluster of CPU workers on a machine without GPUs."""
 
 import json
-import os
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from hetcomm.loop.launch import free_port, launch, local_world, under_torchrun
 from hetcomm.train.checkpoint import CheckpointError, load_checked
-from hetcomm.train.config import (DEFAULT_CPU_RANKS, DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu,
-                                  from_args, parser, validate)
-from hetcomm.train.host_memory import keep_freed_memory
+from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu, from_args, parser,
+                                  validate)
 from hetcomm.train.simulate import speeds_for_this_machine
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, for a local process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["main", "free_port"]
 
 
-def _run_rank(rank: int, world: int, config: TrainConfig, use_cuda: bool, init_method: str | None) -> None:
+def _train(rank: int, world: int, device: torch.device, config: TrainConfig) -> None:
     from hetcomm.train.trainer import Trainer
 
-    if use_cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-        # The workers share the machine's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        keep_freed_memory()
-    spawned = init_method is not None
-    kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if spawned else {}
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10), **kwargs)
-    Trainer(config, dist.get_rank(), dist.get_world_size(), device).run()
-    dist.barrier()
-    if spawned:
-        # A worker we started has nothing left to do once every rank is past the barrier.
-        # Tearing the Gloo group down as the peers exit can abort in torch's C++ destructors
-        # (seen with torch 2.13: "terminate called without an active exception"), so the
-        # worker leaves without running them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
+    Trainer(config, rank, world, device).run()
 
 
 def _check_resume(config: TrainConfig, world: int) -> None:
@@ -93,19 +62,13 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     config = from_args(args)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     use_cuda = not config_device_is_cpu(config)
     if config.device == "cuda" and not torch.cuda.is_available():
         parser().exit(2, "hetcomm train: error: --device cuda but torch sees no CUDA GPU\n")
-    if under_torchrun:
-        world = int(os.environ["WORLD_SIZE"])
-    elif config.nproc is not None:
-        world = config.nproc
-    else:
-        world = torch.cuda.device_count() if use_cuda else DEFAULT_CPU_RANKS
-        if not use_cuda and config.speeds is None:
-            # The built-in default: a simulated heterogeneous cluster that fits this machine.
-            config.speeds = speeds_for_this_machine(DEFAULT_CPU_SPEEDS)
+    world = local_world(use_cuda, config.nproc)
+    if not under_torchrun() and config.nproc is None and not use_cuda and config.speeds is None:
+        # The built-in default: a simulated heterogeneous cluster that fits this machine.
+        config.speeds = speeds_for_this_machine(DEFAULT_CPU_SPEEDS)
     try:
         if world < 1:
             raise ValueError(f"--nproc must be at least 1; got {world}")
@@ -114,14 +77,9 @@ def main(argv=None) -> int:
             _check_resume(config, world)
     except (ValueError, FileNotFoundError, CheckpointError) as error:
         parser().exit(2, f"hetcomm train: error: {error}\n")
-
-    if under_torchrun:
-        _run_rank(int(os.environ["LOCAL_RANK"]) if use_cuda else int(os.environ["RANK"]), world, config, use_cuda,
-                  None)
-        return 0
-    mp.start_processes(_run_rank, args=(world, config, use_cuda, f"tcp://127.0.0.1:{free_port()}"), nprocs=world,
-                       join=True, start_method="spawn")
-    _print_summary(Path(config.out), config, world)
+    launch(_train, config, nproc=world, use_cuda=use_cuda)
+    if not under_torchrun():
+        _print_summary(Path(config.out), config, world)
     return 0
 
 

@@ -1,0 +1,80 @@
+"""Starting the ranks of a training function: joining a torchrun job, or starting one
+process per local GPU, or a cluster of CPU workers on a machine without GPUs."""
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hetcomm.loop.host_memory import keep_freed_memory
+
+DEFAULT_CPU_RANKS = 4
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a local process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_world(use_cuda: bool, nproc: int | None = None) -> int:
+    """The ranks of the job: torchrun's, or nproc, or one per GPU, or DEFAULT_CPU_RANKS."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if nproc is not None:
+        return nproc
+    return torch.cuda.device_count() if use_cuda else DEFAULT_CPU_RANKS
+
+
+def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
+               timeout: timedelta) -> None:
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        # The workers share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        keep_freed_memory()
+    spawned = init_method is not None
+    kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if spawned else {}
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **kwargs)
+    main(dist.get_rank(), dist.get_world_size(), device, *args)
+    dist.barrier()
+    if spawned:
+        # A worker we started has nothing left to do once every rank is past the barrier.
+        # Tearing the Gloo group down as the peers exit can abort in torch's C++ destructors
+        # (seen with torch 2.13: "terminate called without an active exception"), so the
+        # worker leaves without running them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | None = None,
+           timeout: timedelta = timedelta(minutes=10)) -> None:
+    """Runs main(rank, world, device, *args) on every rank of the job: this process's
+    rank when torchrun started it (env://), else `nproc` local processes (default one per
+    GPU, or DEFAULT_CPU_RANKS CPU workers on Gloo) that this call starts and waits for.
+    `main` and `args` must be picklable (a module-level function) for the local processes."""
+    use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+    world = local_world(use_cuda, nproc)
+    if world < 1:
+        raise ValueError(f"nproc must be at least 1; got {world}")
+    if under_torchrun():
+        rank = int(os.environ["LOCAL_RANK"]) if use_cuda else int(os.environ["RANK"])
+        _rank_main(rank, world, main, args, use_cuda, None, timeout)
+        return
+    mp.start_processes(_rank_main, args=(world, main, args, use_cuda, f"tcp://127.0.0.1:{free_port()}", timeout),
+                       nprocs=world, join=True, start_method="spawn")

@@ -1,0 +1,315 @@
+"""One optimizer step of a BalancedLoop: this rank's micro-batches, timed, with the
+first step's timing parts or a straggler's handoff dealt between them, then the
+weighted reduction.
+
+The gradients a step accumulates are of the loss summed over the rank's items and
+divided by a normaliser known before the first backward: the samples the rank is to do
+(times items_per_sample when given). When the samples the rank ends up doing change
+within the step (the first step's parts, a handoff), the gradients are rescaled to the
+new count once. The reduction then weights them by normaliser / N, N the step's items
+over all ranks, which makes sum_i (normaliser_i / N) g_i the gradient of the mean loss
+over the global batch, however the samples were split."""
+
+import math
+import numbers
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from hetcomm.balance import handoff, predict_rank_times, solve_split
+from hetcomm.comm.collectives import gather_floats, launch_gather_floats, wait
+from hetcomm.loop.batches import micro_batches
+
+# What each rank sends along with every step's agreement on the weights, in this order:
+# this step's compute seconds, summed loss, loss items (count) and samples done, and the
+# previous step's reduce seconds (the reduction, including the wait for slower ranks)
+# and update seconds (from reduce() returning to the next step: the optimizer step).
+GATHERED = ("compute", "loss_sum", "count", "samples", "previous_reduce", "previous_update")
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's figures of a step (its reduce and update seconds are the previous step's)."""
+
+    compute_s: float
+    loss_sum: float
+    count: float
+    samples: int
+    previous_reduce_s: float
+    previous_update_s: float
+
+
+@dataclass
+class StepResult:
+    """What a step's reduction found; the same on every rank."""
+
+    number: int
+    skipped: bool          # a gradient was inf/NaN somewhere: skip the optimizer step (every rank does)
+    grad_norm: float       # L2 norm of the whole reduced, unscaled gradient
+    loss: float            # the mean loss over the step's items on all ranks
+    loss_scale: float      # the scale this step's losses were multiplied by
+    split: tuple[int, ...]  # the samples each rank was dealt
+    regime: str            # "balanced", "static split", "equal split" or "fixed split"
+    ranks: list[RankRow]
+    handoff: handoff.Handoff | None   # the plan by which a straggler handed samples off, if any
+    _norm: Tensor = field(repr=False, default=None)
+    _params: list = field(repr=False, default_factory=list)
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Scales the trained gradients so that their global norm is at most max_norm,
+        using the norm the reduction computed (no pass of its own, no host sync)."""
+        if not (isinstance(max_norm, numbers.Real) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_: max_norm = {max_norm!r}: expected a finite positive number")
+        coefficient = (max_norm / (self._norm + 1e-6)).clamp(max=1.0).reshape(())
+        torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coefficient)
+
+
+class LoopStep:
+    """Iterate it for this rank's micro-batches (collated, on the device); call
+    backward(loss, count) once for each; then reduce() once. The gradients are zeroed
+    when the first micro-batch is drawn. With dynamic balancing the first step also
+    yields a few untimed warm-up micro-batches first, whose gradients and losses are
+    discarded (they pay for allocation, so that the timing that splits the batch is fair)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.number = loop.step
+        self.regime = loop._regime(self.number)
+        self.split = loop.split
+        self.scale = loop.scaler.scale if loop.scaler else 1.0
+        self.compute = 0.0           # seconds of this rank's compute (its timed parts)
+        self.samples = 0             # samples done, counted as they are dealt
+        self.loss_sum: Tensor | float = 0.0
+        self.count: Tensor | float = 0
+        self.normaliser = 1          # the samples the gradients are normalised by
+        self.step_samples = loop.global_batch
+        self.timed_first = False
+        self.handed_off: handoff.Handoff | None = None
+        self.reduced = False
+        self._state = "new"
+        self._awaiting: int | None = None   # the size of the micro-batch yielded and not yet backward'ed
+
+    # --- the micro-batches -----------------------------------------------------------
+
+    def __iter__(self):
+        if self._state != "new":
+            raise RuntimeError(f"BalancedLoop: step {self.number}'s micro-batches can be iterated once")
+        self._state = "iterating"
+        loop = self.loop
+        loop._close_update()
+        loop.model.zero_grad(set_to_none=True)
+        if loop.time_first_step:
+            yield from self._first_step_in_parts()
+        else:
+            indices = self._draw()
+            self.normaliser = max(1, len(indices))
+            if loop.handoff_enabled and self.number >= loop.equal_steps:
+                yield from self._with_handoff(indices)
+            else:
+                yield from self._run(indices)
+        self._state = "done"
+
+    def _draw(self) -> list[int]:
+        """This rank's samples of the step (the sampler moves on to the next epoch by itself)."""
+        sampler = self.loop.sampler
+        for _ in range(2):
+            for indices in sampler:
+                self.step_samples = sum(sampler.drawn_shares)   # an epoch's last step may be smaller
+                return indices
+        raise RuntimeError("the sampler produced no step")
+
+    def _run(self, indices: list[int], timed: bool = True):
+        """Yields the micro-batches of `indices`; returns the seconds they took, waiting
+        for the device, stretched to the rank's simulated speed when timed."""
+        loop = self.loop
+        start = time.perf_counter()
+        with loop.compute_context(self.number) if timed else nullcontext():
+            for micro in micro_batches(indices, loop.cap()):
+                batch = loop.load(micro)
+                self._awaiting = len(micro)
+                yield batch
+                if self._awaiting is not None:
+                    raise RuntimeError(f"BalancedLoop: step {self.number}: step.backward(loss) was not called for "
+                                       f"a micro-batch; call it once for each micro-batch the step yields")
+            if loop.device.type == "cuda":
+                torch.cuda.synchronize(loop.device)
+        seconds = time.perf_counter() - start
+        if timed:
+            self.compute += seconds
+            self.samples += len(indices)
+        return seconds
+
+    def _retarget(self, now: int) -> None:
+        """Gradients normalised by self.normaliser samples made those normalised by
+        `now` (the samples the rank now does in the step, some of them still to come)."""
+        if now != self.normaliser and now > 0:
+            grads = [p.grad for p in self.loop.model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.normaliser / now)
+            self.normaliser = now
+
+    def _first_step_in_parts(self):
+        """The first step, timed in parts on its own samples (no pass that trains nothing),
+        after an untimed warm-up that pays for allocation:
+
+          1. every rank does one sample at its (simulated) speed;
+          2. about half the global batch is dealt by the speeds those times suggest, so
+             that the ranks compute side by side for about the same time, each timing
+             many samples (on shared CPU cores a rank left computing alone runs faster
+             than it will in training);
+          3. the step's split follows the second part's throughputs within the memory
+             caps, each rank keeping at least the samples it has done, and the rest of
+             the step is dealt by it.
+
+        A faster rank waits for the slowest rank's first sample, and for the second part
+        only as long as the first samples misjudged the speeds."""
+        loop, rank = self.loop, self.loop.rank
+        start = time.perf_counter()
+        batch, world = loop.global_batch, loop.world
+        share = batch // world
+        yield from self._run([i % len(loop.dataset) for i in range(max(1, share // 8))], timed=False)
+        loop.model.zero_grad(set_to_none=True)
+        self.loss_sum, self.count, self.timed_first = 0.0, 0, True
+        first = yield from self._run(loop.sampler.take([1] * world))
+        singles = [row[0] for row in gather_floats([first])]
+        if share > 1:
+            half = batch // 2 - world
+            speeds = [1 / max(t, 1e-9) for t in singles]
+            more = [max(1, math.floor(half * v / sum(speeds))) for v in speeds]
+            done = [1 + k for k in more]
+            self._retarget(done[rank])
+            seconds = yield from self._run(loop.sampler.take(more))
+            rates = [(0.0, row[0] / k) for row, k in zip(gather_floats([seconds]), more)]
+        else:   # one sample per rank is the whole equal share
+            done, rates = [1] * world, [(0.0, t) for t in singles]
+        split = solve_split(batch, rates, loop.caps, min_per_rank=done).sizes
+        self._retarget(split[rank])
+        loop.set_split(split)
+        loop.time_first_step = False
+        loop.first_timing_seconds = time.perf_counter() - start   # the waits for the slowest rank's parts included
+        self.split = split
+        rest = [b - d for b, d in zip(split, done)]
+        yield from self._run(loop.sampler.take(rest) if sum(rest) else [])
+
+    def _with_handoff(self, indices: list[int]):
+        """The rank's share in two timed parts with a report in between (balance.handoff):
+        its own samples kept, then those taken on from a straggler."""
+        loop, rank = self.loop, self.loop.rank
+        own = len(indices)
+        check = handoff.check_size(own, loop.cap())
+        check_seconds = yield from self._run(indices[:check])
+        model = loop.rebalancer.rebalancer.model()
+        planned = max(predict_rank_times(loop.sampler.drawn_shares, model, loop.caps))
+        mine = handoff.report(check, check_seconds, own - check, loop.check_share.value(), model[rank][1], planned)
+        work, table = launch_gather_floats(mine.row(), loop.control_group)
+        reports = plan = None
+        if mine.giver:   # a giver waits for the plan at once; the others only after their own share
+            reports, plan = self._read_reports(work, table)
+        kept = plan.kept[rank] if plan else own - check
+        self._retarget(check + kept)
+        seconds = yield from self._run(indices[check:check + kept])
+        if kept == own - check:
+            loop.check_share.add(check, check_seconds, own, check_seconds + seconds)
+        if not mine.giver:
+            reports, plan = self._read_reports(work, table)
+        self.handed_off = plan
+        if plan and plan.received[rank]:
+            extra = []
+            for giver, first, count in plan.sources([r.remaining for r in reports], rank):
+                start = reports[giver].done + first
+                extra += loop.sampler.drawn_indices(giver)[start:start + count]
+            self._retarget(check + kept + len(extra))
+            yield from self._run(extra)
+
+    def _read_reports(self, work, table) -> tuple[list[handoff.Report], handoff.Handoff | None]:
+        wait(work, self.loop.reducer.timeout, "BalancedLoop: the handoff reports")
+        reports = [handoff.Report.from_row(row) for row in table.tolist()]
+        return reports, handoff.plan(reports)
+
+    # --- the user's calls ------------------------------------------------------------
+
+    def backward(self, loss: Tensor, count=None, *, reduction: str = "mean") -> None:
+        """Backward of one micro-batch's loss, scaled for the weighted reduction.
+
+        Args:
+            loss: a one-element tensor: the mean over `count` items (reduction="mean", what
+                a Hugging Face model returns), or their sum (reduction="sum").
+            count: how many items the loss is over (tokens that carry loss: for masked
+                language modelling the masked tokens, which differ from rank to rank); a
+                number or a one-element tensor. Default: the micro-batch's samples, or
+                samples x items_per_sample when the loop was given that (then count must
+                not be passed).
+        """
+        if self._awaiting is None:
+            raise RuntimeError("step.backward: call it once for each micro-batch the step yields, inside the loop "
+                               "over the step")
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"step.backward: loss must be a one-element tensor (the micro-batch's mean or summed "
+                             f"loss); got {shape}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"step.backward: reduction = {reduction!r}: expected 'mean' or 'sum'")
+        per_sample = self.loop.items_per_sample
+        if per_sample is not None and count is not None:
+            raise ValueError(f"step.backward: the loop was given items_per_sample={per_sample}, which fixes the "
+                             f"count; pass no count")
+        count = self._awaiting * (per_sample or 1) if count is None else _checked_count(count)
+        self._awaiting = None
+        if isinstance(count, numbers.Real) and count == 0:
+            return   # no items: nothing to add (and a mean over none is NaN)
+        total = loss.reshape(()) * count if reduction == "mean" else loss.reshape(())
+        (total * (self.scale / (self.normaliser * (per_sample or 1)))).backward()
+        self.loss_sum = self.loss_sum + total.detach().float()
+        self.count = self.count + count
+
+    def reduce(self) -> StepResult:
+        """The weighted all-reduce of the step's gradients (the gradient of the mean loss
+        over all ranks' items, unscaled, in the parameters' .grad or the masters'), with
+        the overflow verdict and the global norm; updates the loss scale. While the
+        gradients travel, the next step's split is chosen. Every rank calls it."""
+        if self.reduced:
+            raise RuntimeError(f"BalancedLoop: step {self.number} was reduced already")
+        if self._state != "done":
+            raise RuntimeError(f"BalancedLoop: step {self.number}.reduce() before all its micro-batches were "
+                               f"processed; iterate the step to its end first")
+        loop = self.loop
+        start = time.perf_counter()
+        count = float(self.count)
+        gather = [self.compute, float(self.loss_sum), count, self.samples, *loop.previous_times]
+
+        def choose_next_split(everyone):
+            loop.choose_next_split(everyone, self.step_samples, self.timed_first)
+
+        if loop.items_per_sample is not None:
+            result = loop.reducer.reduce(self.samples / self.step_samples, loss_scale=self.scale, gather=gather,
+                                         while_in_flight=choose_next_split)
+        else:
+            result = loop.reducer.reduce(count=count, grad_divisor=self.normaliser, loss_scale=self.scale,
+                                         gather=gather, while_in_flight=choose_next_split)
+        skipped = bool(result.found_inf.item())
+        if loop.scaler:
+            loop.scaler.update(skipped)
+        rows = [RankRow(r[0], r[1], r[2], round(r[3]), r[4], r[5]) for r in result.gathered]
+        items = sum(r.count for r in rows)
+        loop.step += 1
+        self.reduced = True
+        loop.previous_times = (time.perf_counter() - start, 0.0)
+        loop.update_started = time.perf_counter()
+        return StepResult(self.number, skipped, result.grad_norm.item(),
+                          sum(r.loss_sum for r in rows) / items if items else math.nan, self.scale, self.split,
+                          self.regime, rows, self.handed_off, result.grad_norm, loop.trained_params)
+
+
+def _checked_count(count):
+    if isinstance(count, Tensor):
+        if count.numel() != 1:
+            raise ValueError(f"step.backward: count must be a number or a one-element tensor; got shape "
+                             f"{tuple(count.shape)}")
+        return count.reshape(()).to(torch.float32)
+    if isinstance(count, bool) or not isinstance(count, numbers.Real) or not math.isfinite(count) or count < 0:
+        raise ValueError(f"step.backward: count = {count!r}: expected a finite, non-negative number of items")
+    return count
+

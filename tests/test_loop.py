@@ -1,0 +1,237 @@
+"""hetcomm.loop.BalancedLoop in a user's own loop, on Gloo ranks (CPU): any split trains
+exactly as one process on the whole global batch, weighted by the items each loss is
+over; a resumed loop continues bit for bit; a throttled rank is rebalanced; bad use
+is refused with one clear message on every rank."""
+
+import copy
+import math
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks, values
+from torch import nn
+
+from hetcomm.balance import WeightedDistributedSampler
+from hetcomm.loop import BalancedLoop
+from hetcomm.train.simulate import SimulatedSpeed, Slowdown
+
+SAMPLES, LENGTH, VOCAB, GLOBAL_BATCH, SEED = 96, 8, 16, 16, 3
+
+
+class MaskedTokens(torch.utils.data.Dataset):
+    """Sample i: LENGTH tokens, of which i % LENGTH + 1 carry loss, so samples count from
+    1 to 8 items and a mean over samples differs from the mean over items."""
+
+    def __init__(self, size: int = SAMPLES):
+        generator = torch.Generator().manual_seed(7)
+        self.tokens = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+        self.mask = torch.arange(LENGTH)[None, :] < (torch.arange(size) % LENGTH + 1)[:, None]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"tokens": self.tokens[i], "targets": (self.tokens[i] * 5 + 3) % VOCAB, "mask": self.mask[i]}
+
+
+class TinyTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 12)
+        self.mix = nn.Linear(12, 12)
+        self.out = nn.Linear(12, VOCAB)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def masked_loss(model, batch, reduction="mean"):
+    """The loss over the batch's masked tokens (mean or sum) and their count."""
+    logits = model(batch["tokens"])[batch["mask"]]
+    return F.cross_entropy(logits, batch["targets"][batch["mask"]], reduction=reduction), batch["mask"].sum()
+
+
+def train_in_loop(rank, world, steps, options, stop_after=None, state=None):
+    """`steps` SGD steps in a BalancedLoop; returns every step's loss and the weights
+    (and, stopping early, everything a checkpoint holds)."""
+    model = TinyTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED,
+                        **{"wire_dtype": torch.float32, **options})
+    if state is not None:
+        # Tensors passed to spawned ranks arrive in shared memory, and the optimizer adopts
+        # the loaded ones as its own: every rank needs copies, as it would read from a file.
+        state = copy.deepcopy(state)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loop.load_state_dict(state["loop"])
+    losses, splits = [], []
+    for step in loop.steps(steps):
+        for batch in step:
+            loss, count = masked_loss(model, batch)
+            step.backward(loss, count=count)
+        result = step.reduce()
+        if not result.skipped:
+            optimizer.step()
+        losses.append(result.loss)
+        splits.append([r.samples for r in result.ranks])
+        if stop_after is not None and loop.step == stop_after:
+            saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loop": loop.state_dict()}
+            return losses, saved
+    return losses, [p.detach().clone() for p in model.parameters()], splits
+
+
+def one_process(steps, by_items=True):
+    """The same training on one process: each step's whole global batch in one pass, the
+    loss the mean over its masked tokens (or, by_items=False, over its samples)."""
+    model, data = TinyTagger(), MaskedTokens()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sampler = WeightedDistributedSampler(len(data), [GLOBAL_BATCH], 0, seed=SEED)
+    batches = (indices for _ in range(steps) for indices in sampler)   # epoch after epoch
+    losses = []
+    for _ in range(steps):
+        batch = torch.utils.data.default_collate([data[i] for i in next(batches)])
+        optimizer.zero_grad()
+        if by_items:
+            loss, _ = masked_loss(model, batch)
+        else:
+            logits = model(batch["tokens"])
+            per_token = F.cross_entropy(logits.transpose(1, 2), batch["targets"], reduction="none")
+            loss = ((per_token * batch["mask"]).sum(1) / batch["mask"].sum(1)).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_an_unequal_split_trains_as_one_process_weighted_by_items(tmp_path):
+    ranks = values(run_ranks(4, train_in_loop, 4, {"split": [1, 3, 5, 7]}, tmp_path=tmp_path))
+    expected_losses, expected = one_process(4)
+    by_samples = one_process(4, by_items=False)[1]
+    for losses, weights, splits in ranks:
+        assert splits == [[1, 3, 5, 7]] * 4
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        for got, want, wrong in zip(weights, expected, by_samples):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # Weighting by samples instead of masked items would land far from where the loop did.
+        assert max((w - g).abs().max().item() for w, g in zip(weights, by_samples)) > 1e-3
+
+
+def test_memory_caps_become_accumulation_with_the_same_gradient(tmp_path):
+    capped = values(run_ranks(2, train_in_loop, 3, {"split": [5, 11], "memory_caps": [2, 3]},
+                              tmp_path=tmp_path))
+    expected = one_process(3)[1]
+    for _, weights, _ in capped:
+        for got, want in zip(weights, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_loop_continues_bit_for_bit(tmp_path):
+    options = {"split": [6, 10]}
+    straight_losses, straight, _ = values(run_ranks(2, train_in_loop, 6, options, tmp_path=tmp_path))[0]
+    first_losses, saved = values(run_ranks(2, train_in_loop, 6, options, 3, tmp_path=tmp_path / "a"))[0]
+    resumed_losses, resumed, _ = values(run_ranks(2, train_in_loop, 6, options, None, saved,
+                                                  tmp_path=tmp_path / "b"))[0]
+    assert first_losses + resumed_losses == straight_losses
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+
+
+def train_throttled(rank, world, throttle_step):
+    """Dynamic balancing at equal simulated speeds until rank 1 slows to a tenth."""
+    speed = SimulatedSpeed(rank, 0.05, (Slowdown(1, throttle_step, 0.1),))
+    return train_in_loop(rank, world, throttle_step + 3, {"simulated_speed": speed})
+
+
+def test_a_throttled_rank_is_rebalanced_and_the_gradient_stays_exact(tmp_path):
+    losses, weights, splits = values(run_ranks(2, train_throttled, 6, tmp_path=tmp_path))[0]
+    assert all(sum(done) == GLOBAL_BATCH for done in splits)
+    before, after = splits[5], splits[-1]
+    assert after[1] < before[1] / 2   # the handoff within step 6, then the rebalancer
+    expected_losses, expected = one_process(len(losses))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def misuse(rank, world, how):
+    model = TinyTagger()
+    if how == "different weights" and rank == 1:
+        with torch.no_grad():
+            model.mix.bias.add_(1e-3)
+    data = MaskedTokens(8 if how == "short dataset" else SAMPLES)
+
+    def cut_short(samples):
+        return torch.utils.data.default_collate(samples[:-1] if len(samples) > 1 else samples * 2)
+
+    loop = BalancedLoop(model, data, global_batch=GLOBAL_BATCH, wire_dtype=torch.float32, split=[8, 8],
+                        collate_fn=cut_short if how == "collate drops a sample" else None)
+    for step in loop.steps(1):
+        for batch in step:
+            if how == "no backward":
+                continue
+            logits = model(batch["tokens"])
+            loss = logits.mean(-1) if how == "loss not a scalar" else logits.mean()
+            step.backward(loss, count=-1 if how == "negative count" else None)
+        step.reduce()
+
+
+@pytest.mark.parametrize("how, error, message", [
+    ("loss not a scalar", "ValueError", "loss must be a one-element tensor"),
+    ("short dataset", "ValueError", "the dataset holds 8 samples, fewer than global_batch = 16"),
+    ("collate drops a sample", "ValueError", "collate_fn returned a batch of 7 samples"),
+    ("different weights", "ValueError", "parameter 'mix.bias' holds different values on different ranks"),
+    ("no backward", "RuntimeError", "step.backward(loss) was not called for a micro-batch"),
+    ("negative count", "ValueError", "count = -1: expected a finite, non-negative number"),
+])
+def test_bad_use_is_one_clear_error_on_every_rank(tmp_path, how, error, message):
+    for result in run_ranks(2, misuse, how, tmp_path=tmp_path, group_timeout_s=20):
+        assert result.get("type") == error and message in result["message"], result.get("traceback", result)
+
+
+def test_a_sixteen_bit_wire_with_its_loss_scale(tmp_path):
+    _, weights, _ = values(run_ranks(2, train_in_loop, 3, {"split": [3, 13], "wire_dtype": torch.float16},
+                                     tmp_path=tmp_path))[0]
+    expected = one_process(3)[1]
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-4)
+    assert all(math.isfinite(w.sum().item()) for w in weights)
+
+
+BAD_ARGUMENTS = [
+    ({"global_batch": 0}, "global_batch = 0: expected an integer of at least the 1 ranks"),
+    ({"balance": "fast"}, "balance = 'fast': expected one of dynamic, static, equal"),
+    ({"equal_steps": -1}, "equal_steps = -1: expected a non-negative integer"),
+    ({"loss_scale": math.nan}, "loss_scale = nan: expected a finite positive number"),
+    ({"rebalance_threshold": math.inf}, "rebalance_threshold = inf: expected a finite, non-negative"),
+    ({"items_per_sample": 0}, "items_per_sample = 0: expected a positive integer"),
+    ({"precision": "fp8"}, "precision = 'fp8': expected auto or one of fp32, fp16, bf16"),
+    ({"split": [15]}, "split = [15]: expected 1 non-negative integers adding up to global_batch = 16"),
+    ({"memory_caps": [0]}, "memory_caps = [0]: expected one positive integer or None per rank"),
+    ({"collate_fn": "stack"}, "collate_fn must be callable"),
+]
+
+
+def refusals(rank, world):
+    messages = []
+    for changes, _ in BAD_ARGUMENTS:
+        try:
+            BalancedLoop(TinyTagger(), MaskedTokens(), **{"global_batch": GLOBAL_BATCH, **changes})
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_arguments_name_the_argument(tmp_path):
+    messages = values(run_ranks(1, refusals, tmp_path=tmp_path))[0]
+    assert len(messages) == len(BAD_ARGUMENTS)
+    for message, (_, expected) in zip(messages, BAD_ARGUMENTS):
+        assert expected in message
+
+
+def test_the_loop_needs_a_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        BalancedLoop(TinyTagger(), MaskedTokens(), global_batch=GLOBAL_BATCH)
