@@ -1,5 +1,6 @@
 #include "cuda/multi_tensor_cuda.h"
 
+#include "cuda/hooks.h"
 #include "cuda/launch_shape.h"
 #include "kernels/multi_tensor.cuh"
 
@@ -129,7 +130,7 @@ class Launcher {
       return;
     }
     const int grid = std::min(table.num_chunks, max_grid_);
-    kernel_<<<grid, kThreads, 0, stream_>>>(args_);
+    HETCOMM_LAUNCH(kernel_, grid, kThreads, 0, stream_)(args_);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     args_.partial_base += table.num_chunks;
     table.count = 0;
@@ -179,7 +180,7 @@ void run_segments(const SegmentList& segments, const float* scale, Work work, fl
 }
 
 void add_sum_of_squares(const double* partials, int64_t count, float* sq_norm, cudaStream_t stream) {
-  kernels::add_sum_of_squares_kernel<<<1, kThreads, 0, stream>>>(partials, count, sq_norm);
+  HETCOMM_LAUNCH(kernels::add_sum_of_squares_kernel, 1, kThreads, 0, stream)(partials, count, sq_norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,6 +1,7 @@
 // CUDA kernels of the hetcomm ops: validate and plan (ops/plans), then run the
 // segment list on the current stream (cuda/multi_tensor_cuda). Scales, found_inf and
 // sq_norm are read and written by the kernels on the device: no host synchronisation.
+#include "cuda/hooks.h"
 #include "cuda/multi_tensor_cuda.h"
 #include "ops/plans.h"
 
@@ -66,7 +67,7 @@ void cast_cuda(at::TensorList src, at::TensorList dst) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hetcomm, CUDA, m) {
+HETCOMM_CUDA_REGISTRATION(m) {
   m.impl("pack", &pack_cuda);
   m.impl("pack.out", &pack_out_cuda);
   m.impl("unpack_", &unpack_cuda);

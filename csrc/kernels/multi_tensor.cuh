@@ -13,6 +13,7 @@
 
 #include "kernels/launch_args.h"
 #include "kernels/numeric.cuh"
+#include "kernels/shared_memory.cuh"
 
 namespace hetcomm::kernels {
 
@@ -173,7 +174,7 @@ template <typename S, typename D, Work kWork, int kItems>
 __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const LaunchArgs args) {
   using SV = typename S::Storage;
   using DV = typename D::Storage;
-  __shared__ double warp_sums[kWarps];
+  HETCOMM_SHARED(double, warp_sums, [kWarps]);
 
   const float scale = args.scale == nullptr ? 1.0f : *args.scale;
   bool nonfinite = false;
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const LaunchArgs
 // so that identical inputs give identical bits on every run and every rank.
 __global__ void __launch_bounds__(kThreads) add_sum_of_squares_kernel(const double* partials, long long count,
                                                                       float* sq_norm) {
-  __shared__ double warp_sums[kWarps];
+  HETCOMM_SHARED(double, warp_sums, [kWarps]);
   double sum = 0.0;
   for (long long i = threadIdx.x; i < count; i += kThreads) {
     sum += partials[i];
