@@ -49,11 +49,11 @@ def test_held_out_absolute_throughput_within_20_percent_on_average(held_out):
 
 
 def test_held_out_ratios_between_gpu_kinds(held_out):
-    # Issue 18 asks for 15% on average and 30% at most; the model reaches 17.8% and 91%
-    # (the outliers: an 8 GB RTX 3070 at micro-batch 1, the A40 and A10 in TF32). This
-    # bound keeps it from getting worse.
+    # Issue 18 asks for 15% on average and 30% at most; the model reaches 16.3% and 74%
+    # (the worst pairs hold the A40 in TF32 and the 150 W A10). This bound keeps it from
+    # getting worse.
     mean, _ = summary([pair.error for pair in relative_errors(held_out)])
-    assert mean < 0.19
+    assert mean < 0.17
 
 
 def test_held_out_fp16_on_pascal_within_30_percent(held_out, catalog):
@@ -101,6 +101,19 @@ def test_tf32_is_half_the_16_bit_tensor_rate_and_needs_ampere(catalog):
     assert peak_flops(catalog.device("3090"), "tf32") == pytest.approx(35.5e12)
     with pytest.raises(ValueError, match="v100.*no native tf32"):
         peak_flops(catalog.device("v100"), "tf32")
+
+
+def test_a_power_capped_t4_is_costed_at_its_sustained_clock(catalog):
+    assert peak_flops(catalog.device("t4"), "fp16") == pytest.approx(0.5 * 65e12)
+    assert peak_flops(catalog.device("2080ti"), "fp16") == pytest.approx(53.8e12)
+
+
+def test_a_python_loop_optimizer_costs_its_launches_and_traffic(catalog):
+    from hetcomm.plan.cost import per_tensor_optimizer_seconds
+    device, model = catalog.device("v100"), PRESETS["bert-large-qa"]
+    launches = model.parameter_tensors() * 13 * 12e-6
+    traffic = model.parameters(384) * 124 / (900e9 * 0.7)
+    assert per_tensor_optimizer_seconds(device, model, 384) == pytest.approx(launches + traffic)
 
 
 def test_precision_per_kind_of_card(catalog):

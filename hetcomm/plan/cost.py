@@ -31,18 +31,24 @@ STORAGE = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 DEFAULT_EFFICIENCY = {"fp32": 0.7, "tf32": 0.5, "tensor16": 0.5}
 ACTIVATION_TRAFFIC = 3
 # Sustained clock under a training load, as a share of the boost clock the peak figures
-# assume, for cards whose power cap holds them below it.
-SUSTAINED_CLOCK: dict[str, float] = {}
+# assume, for cards whose power cap holds them below it. T4 (70 W): a sustained 4096³
+# fp16 cuBLAS GEMM reaches 24 of its 65 TFLOPS, NVIDIA's answer being its power cap
+# (forums.developer.nvidia.com/t/about-gpu-peak-performance/264462), which is the
+# base clock's rate (585 of 1590 MHz) and about half of what that GEMM reaches on
+# Turing cards without the cap. An estimate: no T4 training run is in measurements.csv.
+SUSTAINED_CLOCK = {"t4": 0.5}
 # Per-micro-step fixed cost: the kernels launched by forward and backward (about 40
 # per transformer block plus 30 for embeddings, head and loss), each paying the
 # framework's dispatch overhead on the host, and one read of the weights per pass.
 KERNELS_PER_LAYER, KERNELS_OUTSIDE_LAYERS = 40, 30
 SECONDS_PER_KERNEL = 12e-6
-# An optimizer that loops over the parameters in Python (BERT's BertAdam: the moments'
-# updates, the step, weight decay, the gradient norm: about 11 kernels per tensor) pays
-# each kernel's dispatch; fused and foreach optimizers (apex FusedAdam, torch's AdamW)
-# launch a handful per step, left out.
-PER_TENSOR_OPTIMIZER_KERNELS = 11
+# An optimizer that loops over the parameters in Python (BERT's BertAdam, run without
+# amp by DeepLearningExamples' run_squad.py) launches each step of its arithmetic on its
+# own: m = b1·m + (1-b1)·g (2 kernels, 20 bytes per parameter), v likewise with g² (2,
+# 24), m / (sqrt(v) + eps) (3, 28), weight decay (2, 20), the learning rate (1, 8), the
+# update (1, 12), and the gradient norm's clipping (2, 12): 13 kernels per tensor and
+# 124 bytes per parameter, where a fused AdamW moves 28.
+PER_TENSOR_OPTIMIZER_KERNELS, PER_TENSOR_OPTIMIZER_BYTES = 13, 124
 # The weights' traffic per micro-step, as the trainer computes (16-bit precisions: 16-bit
 # weights with fp32 masters): read in forward and in backward, the gradient written;
 # 4-byte elements in fp32, 2-byte ones in 16-bit.
@@ -197,8 +203,10 @@ def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, 
                       attention=attention)
 
 
-def per_tensor_optimizer_seconds(model: ModelShape) -> float:
-    return model.parameter_tensors() * PER_TENSOR_OPTIMIZER_KERNELS * SECONDS_PER_KERNEL
+def per_tensor_optimizer_seconds(device: Device, model: ModelShape, seq: int) -> float:
+    """The update of a Python-loop optimizer: its launches and its memory traffic."""
+    return (model.parameter_tensors() * PER_TENSOR_OPTIMIZER_KERNELS * SECONDS_PER_KERNEL
+            + model.parameters(seq) * PER_TENSOR_OPTIMIZER_BYTES / (device.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY))
 
 
 def update_seconds(parameters: int, bandwidth_bytes_per_s: float, precision: str) -> float:

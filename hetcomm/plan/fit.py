@@ -116,12 +116,16 @@ def predict(row: Measurement, catalog: Catalog, efficiencies: dict[tuple[str, st
     device = catalog.device(row.gpu)
     cost = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
                        attention=row.attention, efficiencies=efficiencies)
-    step = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch) + _update(row, cost.update_seconds)
+    step = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch) + _update(row, device, cost)
     return row.gpus * row.accumulation * row.micro_batch / step
 
 
-def _update(row: Measurement, update_seconds: float) -> float:
-    return update_seconds + (per_tensor_optimizer_seconds(row.shape) if row.optimizer == "per-tensor" else 0.0)
+def _update(row: Measurement, device, cost) -> float:
+    """The optimizer step as the row's code runs it: the planner's fused update, or a
+    Python loop over the parameters."""
+    if row.optimizer == "per-tensor":
+        return per_tensor_optimizer_seconds(device, row.shape, row.seq)
+    return cost.update_seconds
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class _Parts:
         seconds = matmul_seconds(device, row.shape, row.seq, row.precision, 1.0)
         return cls(row, efficiency_keys(device, row.precision), seconds,
                    matmul_seconds(device, row.shape, row.seq, row.precision, 1.0, 1.0) - seconds,
-                   unit.per_sample - seconds, unit.fixed, _update(row, unit.update_seconds))
+                   unit.per_sample - seconds, unit.fixed, _update(row, device, unit))
 
     def log_error(self, efficiency: float, simt_share: float) -> float:
         per_sample = min(self.flops_e / efficiency + self.simt * simt_share, self.fp32_path) + self.rest
