@@ -87,3 +87,24 @@ def test_custom_models_and_bad_model_strings():
                           ("layers=0,heads=1,dim=8", "n_layer = 0")]:
         with pytest.raises(ValueError, match=message):
             parse_model(text)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+def test_eager_attention_score_bytes_match_autograds_saved_tensors(precision, dtype):
+    # BERT-era attention as separate kernels: scores, softmax, dropout on the
+    # probabilities (native_dropout, the kernel CUDA runs, which keeps a 1-byte mask),
+    # then the value product; what autograd keeps of the seq×seq scores.
+    heads, head_dim, seq = 4, 16, 48
+    shape = ModelShape("eager", 1, heads, heads * head_dim, 100, "bert", "qa")
+    q, k, v = (torch.randn(BATCH, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    storages = {}
+
+    def keep(tensor):
+        if tuple(tensor.shape[-2:]) == (seq, seq):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        probabilities = torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5, dim=-1)
+        torch.native_dropout(probabilities, 0.1, True)[0] @ v
+    assert sum(storages.values()) == shape.score_bytes_per_token(seq, precision) * seq * BATCH
