@@ -9,7 +9,7 @@ the activations at no arithmetic cost. Published BERT runs on a GTX 1080 Ti (lam
 deeplearning-benchmark, NGC 20.01, apex O2) trained 1.26x (BERT-base) and 1.95x
 (BERT-large) faster in fp16 than in fp32, at the twice larger micro-batch fp16 fits
 and with a fused optimizer where fp32 ran a Python loop; hetcomm's cost model, fitted
-without those runs, predicts 1.19x and 1.42x for them, and for the same optimizer
+without those runs, predicts 1.29x and 1.81x for them, and for the same optimizer
 3-10% faster steps and 1.2-1.8x the largest micro-batch on sm_61 cards
 (hetcomm/plan/measurements.csv, benchmarks/bench_cost_model.py).
 
