@@ -1,0 +1,148 @@
+"""The examples' Hugging Face models (tiny configs) trained through hetcomm.loop on 4
+Gloo ranks split 1/3/5/7 equal the same global batches on one process: BERT's masked
+LM weighted by masked tokens (not by samples), GPT-2's causal LM; a resumed run goes
+on bit for bit; a throttled rank is rebalanced; the scripts run from the command line
+and, without transformers, say what to install."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks, values
+
+from hetcomm.balance import WeightedDistributedSampler
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face examples need pip install 'hetcomm[hf]'")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import hf_bert_mlm  # noqa: E402
+import hf_gpt2  # noqa: E402
+
+EXAMPLES_BY_NAME = {"bert": hf_bert_mlm, "gpt2": hf_gpt2}   # modules do not pickle to the ranks: their names do
+SPLIT = [1, 3, 5, 7]
+CPU = torch.device("cpu")
+
+
+def arguments(example, *extra):
+    return example.parser().parse_args(["--size", "tiny", "--seq", "32", "--steps", "3", "--global-batch", "16",
+                                        "--dropout", "0", "--no-log", *extra])
+
+
+def in_loop(rank, world, name, args, split):
+    losses, model, (*_, loop) = EXAMPLES_BY_NAME[name].train(rank, world, CPU, args, split=split)
+    return losses, [p.detach().clone() for p in model.parameters()], loop.split
+
+
+def one_process(example, args, by_samples=None):
+    """The same steps on one process: each step's global batch in one forward, the loss
+    the model's mean over all its items; or, by_samples=[b_0, ...], each rank's part's
+    mean weighted by its share of the samples (what weighting by samples would give)."""
+    torch.manual_seed(args.seed)
+    model = example.build_model(args.size, args.seq, args.dropout)
+    decay = 0.01 if example is hf_bert_mlm else 0.1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=decay)
+    schedule = (lambda s: min(1.0, (s + 1) / args.warmup)) if example is hf_bert_mlm else (lambda s: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    data = (hf_bert_mlm.MaskedLMSamples(args.seq, seed=args.seed) if example is hf_bert_mlm
+            else hf_gpt2.CausalLMSamples(args.seq))
+    sampler = WeightedDistributedSampler(len(data), [args.global_batch], 0, seed=args.seed)
+    losses = []
+    for indices, _ in zip(sampler, range(args.steps)):
+        batch = torch.utils.data.default_collate([data[i] for i in indices])
+        optimizer.zero_grad()
+        if by_samples is None:
+            loss = model(**batch).loss
+        else:
+            starts = [sum(by_samples[:r]) for r in range(len(by_samples))]
+            loss = sum(b / args.global_batch * model(**{k: v[s:s + b] for k, v in batch.items()}).loss
+                       for s, b in zip(starts, by_samples))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def farthest(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_bert_masked_lm_on_an_unequal_split_equals_one_process_weighted_by_masked_tokens(tmp_path):
+    args = arguments(hf_bert_mlm)
+    ranks = values(run_ranks(4, in_loop, "bert", args, SPLIT, tmp_path=tmp_path))
+    expected_losses, expected = one_process(hf_bert_mlm, args)
+    _, by_samples = one_process(hf_bert_mlm, args, by_samples=SPLIT)
+    for losses, weights, _ in ranks:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=2e-5, atol=0)
+        assert farthest(weights, expected) < 2e-5
+    # The ranks' masked-token counts differ: weighting by samples lands elsewhere.
+    assert farthest(ranks[0][1], by_samples) > 1e-4
+
+
+def test_gpt2_on_an_unequal_split_equals_one_process(tmp_path):
+    args = arguments(hf_gpt2)
+    ranks = values(run_ranks(4, in_loop, "gpt2", args, SPLIT, tmp_path=tmp_path))
+    expected_losses, expected = one_process(hf_gpt2, args)
+    for losses, weights, _ in ranks:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=2e-5, atol=0)
+        assert farthest(weights, expected) < 2e-5
+
+
+def interrupted(rank, world, args, split):
+    """Two steps, a checkpoint's worth of state, then two more from that state in a
+    fresh model, optimizer and loop."""
+    first = copy.copy(args)
+    first.steps = 2
+    losses, model, (optimizer, loop) = hf_gpt2.train(rank, world, CPU, first, split=split)
+    state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                           "loop": loop.state_dict()})
+    more, resumed, _ = hf_gpt2.train(rank, world, CPU, args, split=split, state=state)
+    return losses + more, [p.detach().clone() for p in resumed.parameters()]
+
+
+def test_a_resumed_gpt2_run_continues_bit_for_bit(tmp_path):
+    args = arguments(hf_gpt2, "--steps", "4")
+    straight_losses, straight, _ = values(run_ranks(2, in_loop, "gpt2", args, [5, 11], tmp_path=tmp_path))[0]
+    losses, resumed = values(run_ranks(2, interrupted, args, [5, 11], tmp_path=tmp_path / "r"))[0]
+    assert losses == straight_losses
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+
+
+def test_a_throttled_bert_rank_is_rebalanced_and_trains_as_one_process(tmp_path):
+    args = arguments(hf_bert_mlm, "--steps", "8", "--speeds", "0.2,0.2", "--slowdown", "1:4:0.1")
+    losses, weights, split = values(run_ranks(2, in_loop, "bert", args, None, tmp_path=tmp_path))[0]
+    assert split[1] <= 3   # at a tenth of rank 0's speed from step 4: about 1 of 16 samples, not 8
+    expected_losses, expected = one_process(hf_bert_mlm, args)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=2e-5, atol=0)
+    assert farthest(weights, expected) < 5e-5
+
+
+def test_the_gpt2_example_runs_from_the_command_line():
+    run = subprocess.run([sys.executable, str(EXAMPLES / "hf_gpt2.py"), "--nproc", "2", "--seq", "32", "--steps", "2",
+                          "--global-batch", "8"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("step")] == ["0", "1"]
+
+
+def test_the_examples_say_what_to_install_without_transformers():
+    for script in ("hf_bert_mlm.py", "hf_gpt2.py"):
+        run = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['transformers'] = None; "
+                              f"sys.argv = ['{script}', '--steps', '1']; "
+                              f"runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and "pip install 'hetcomm[hf]'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_plain_pytorch_example_runs_and_learns():
+    run = subprocess.run([sys.executable, str(EXAMPLES / "plain_pytorch.py")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in run.stdout.splitlines()]
+    assert len(losses) == 4 and losses[-1] < losses[0] / 2
+    assert len((EXAMPLES / "plain_pytorch.py").read_text().splitlines()) <= 60
