@@ -48,12 +48,12 @@ def test_held_out_absolute_throughput_within_20_percent_on_average(held_out):
     assert mean < 0.20
 
 
-def test_held_out_ratios_between_gpu_kinds(held_out):
-    # Issue 18 asks for 15% on average and 30% at most; the model reaches 16.3% and 74%
-    # (the worst pairs hold the A40 in TF32 and the 150 W A10). This bound keeps it from
-    # getting worse.
-    mean, _ = summary([pair.error for pair in relative_errors(held_out)])
-    assert mean < 0.17
+def test_held_out_ratios_between_gpu_kinds_within_15_percent_on_average(held_out):
+    # Issue 18 also asks for 30% at most; the worst pairs reach 57% (they hold the A40
+    # in TF32, the A6000 and the 150 W A10 against A100s); 93% of them are within 30%.
+    errors = [pair.error for pair in relative_errors(held_out)]
+    mean, _ = summary(errors)
+    assert mean < 0.15 and sum(e < 0.30 for e in errors) >= 0.9 * len(errors)
 
 
 def test_held_out_fp16_on_pascal_within_30_percent(held_out, catalog):

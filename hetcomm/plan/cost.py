@@ -125,14 +125,21 @@ def peak_flops(device: Device, precision: str) -> float:
 
 
 def efficiency_keys(device: Device, precision: str) -> tuple[tuple[str, str], ...]:
-    """The fitted efficiency's keys, most specific first: the compute capability (GA100
-    and GA102 are both Ampere, but differ), the architecture, and "*", every one pooled.
-    fp16 storage with fp32 math runs on the fp32 units, so it shares their efficiency
-    (what a 16-bit copy saves is costed as memory traffic)."""
+    """The fitted efficiency's keys, most specific first: on tensor cores, the compute
+    capability with the ratio of the 16-bit tensor peak to the fp32 one ("sm_86/2x":
+    GeForce Ampere, whose tensor cores accumulate fp32 at half rate, against "sm_86/4x":
+    A6000, A40, A10); then the compute capability (GA100 and GA102 are both Ampere, but
+    differ), the architecture, and "*", every one pooled. fp16 storage with fp32 math
+    runs on the fp32 units, so it shares their efficiency (what a 16-bit copy saves is
+    costed as memory traffic)."""
     math_ = math_of(device, precision)
     math_ = "fp32" if math_ == "fp16-fp32math" else math_
     major, minor = device.capability
-    return (f"sm_{major}{minor}", math_), (device.architecture, math_), ("*", math_)
+    general = ((f"sm_{major}{minor}", math_), (device.architecture, math_), ("*", math_))
+    if math_ == "fp32":
+        return general
+    ratio = round(device.fp16_tflops / device.fp32_tflops)
+    return ((f"sm_{major}{minor}/{ratio}x", math_), *general)
 
 
 # The key of the fitted share of a tensor-core matmul's time that does not scale with the

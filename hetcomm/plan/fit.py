@@ -8,8 +8,10 @@ model predicts its throughput from the planner's line per device (hetcomm.plan.c
 
 where c's matmul time F/(e·peak) + s·F/fp32_peak (s on tensor cores only) holds the
 unknowns: e, the share of peak, one per math (fp32, tf32, tensor16; 16-bit storage
-with fp32 math shares fp32's) at three levels — compute capability, architecture, and
-all pooled, the first that has rows being used — and s, one SIMT share for all. For
+with fp32 math shares fp32's) at each level of hetcomm.plan.cost.efficiency_keys —
+the compute capability with the tensor-to-fp32 peak ratio, the compute capability,
+the architecture, all pooled; the first that has rows is used — and s, one SIMT
+share for all. For
 each s on a grid, each e is the 1-D least-squares fit of log(predicted / measured)
 over the rows it covers; the s with the least total error is kept.
 
@@ -210,13 +212,13 @@ def fit_efficiencies(rows: Iterable[Measurement], catalog: Catalog) -> dict[tupl
 def _fit_levels(parts: Sequence[_Parts], simt_share: float, most_specific_error: bool = False):
     """Every level's fit of `parts`; or, with most_specific_error, the total error of the
     most specific level, which decides each row's prediction."""
-    levels: list[dict[tuple[str, str], list[_Parts]]] = [{}, {}, {}]
+    groups: dict[tuple[str, str], list[_Parts]] = {}
     for part in parts:
-        for level, key in zip(levels, part.keys):
-            level.setdefault(key, []).append(part)
+        for key in part.keys:
+            groups.setdefault(key, []).append(part)
     if most_specific_error:
-        return sum(_fit_one(members, simt_share)[1] for members in levels[0].values())
-    return {key: _fit_one(members, simt_share)[0] for level in levels for key, members in level.items()}
+        return sum(_fit_one(groups[key], simt_share)[1] for key in {part.keys[0] for part in parts})
+    return {key: _fit_one(members, simt_share)[0] for key, members in groups.items()}
 
 
 @dataclass(frozen=True)
@@ -279,8 +281,9 @@ def efficiency_table(fitted: dict[tuple[str, str], float], rows: Sequence[Measur
     out = io.StringIO()
     out.write("# The cost model's fitted constants: hetcomm.plan.fit fits them to measurements.csv\n"
               "# (python -m hetcomm.plan.fit rewrites this file).\n"
-              "# level: a compute capability (sm_XY), an architecture, or * (pooled over all); the most specific level\n"
-              "# with a row is used. math: fp32 (SIMT, and 16-bit storage with fp32 math on cards without tensor\n"
+              "# level: a compute capability with its 16-bit tensor peak over its fp32 peak (sm_XY/Rx), a compute\n"
+              "# capability (sm_XY), an architecture, or * (pooled over all); the most specific level with a row is\n"
+              "# used. math: fp32 (SIMT, and 16-bit storage with fp32 math on cards without tensor\n"
               "# cores), tf32, tensor16 (fp16/bf16 on tensor cores): value is the share of that math's peak FLOP/s\n"
               "# the matmuls reach; simt-share: the tensor-core matmuls' time that runs at the fp32 rate instead.\n"
               "# rows: the single-GPU measurements behind it.\n")
