@@ -139,8 +139,8 @@ def list_devices(catalog: Catalog) -> str:
         lines.append(f"{device.name:<14} {device.label[:28]:<28} {device.capability[0]}.{device.capability[1]:<2} "
                      f"{device.fp32_tflops:6.1f} {device.fp16_tflops:6.1f} {bf16} {device.memory_gib:5.0f} "
                      f"{device.bandwidth_gbs:6.0f}")
-    lines.append("\nTFLOPS are public peak figures; fp16 is the rate autocast's matmuls get (tensor cores with fp32 "
-                 "accumulate where present).\n")
+    lines.append("\nTFLOPS are public peak figures; fp16 is the tensor-core rate with fp32 accumulate where there are "
+                 "tensor cores (without them, fp16 matmuls run at the fp32 rate).\n")
     lines.append(f"{'link':<14} {'label':<40} {'scope':<8} {'GB/s':>7} {'latency':>8}")
     for link in sorted(catalog.links.values(), key=lambda k: (k.scope, k.bandwidth_gbs)):
         lines.append(f"{link.name:<14} {link.label[:40]:<40} {link.scope:<8} {link.bandwidth_gbs:7.2f} "
