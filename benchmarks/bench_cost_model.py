@@ -1,7 +1,8 @@
 """The planner's cost model against published training measurements
 (hetcomm/plan/measurements.csv, max_batch.csv): leave-one-source-out error, absolute and
 relative (ratios between GPU kinds within one source and workload), the TF32 and
-fp16-on-Pascal rows, the largest micro-batches, and the full fit's residuals.
+fp16-on-Pascal rows, the largest micro-batches, multi-GPU weak scaling, and the full
+fit's residuals.
 
 Targets (issue 18): relative within 15% on average, at most 30%; absolute within 20%
 on average; TF32 and fp16-on-Pascal rows within 30%; maximum batch sizes within 25%.
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from hetcomm.plan.catalog import load_catalog
 from hetcomm.plan.cost import math_of
-from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_max_batches, load_measurements, predict,
-                              predicted_cap, relative_errors, summary)
+from hetcomm.plan.fit import (MaxBatch, fit_efficiencies, leave_one_source_out, load_max_batches, load_measurements,
+                              predict, predicted_cap, relative_errors, summary, weak_scaling)
 
 WORST_PAIRS = 8
 
@@ -78,7 +79,6 @@ def report() -> tuple[str, dict]:
     lines += ["", "## Largest micro-batch against the micro-batches lambda-2022 ran (each ran, so each is at most the "
               "maximum; NGC 22.x chose them to fill the card)", "",
               "| GPU | model | precision | ran | predicted maximum | predicted / ran |", "|---|---|---|---|---|---|"]
-    from hetcomm.plan.fit import MaxBatch
     ratios = []
     for r in rows:
         if r.source == "lambda-2022" and r.gpus == 1:
@@ -91,6 +91,17 @@ def report() -> tuple[str, dict]:
     record["lambda_2022_cap_over_ran"] = {"min": min(ratios), "mean": sum(ratios) / len(ratios), "max": max(ratios)}
 
     fitted = fit_efficiencies(rows, catalog)
+    lines += ["", "## Weak scaling: N GPUs' throughput over N times one GPU's, same source (the planner's ring "
+              "all-reduce, overlapped with backward as DDP runs it)", "",
+              "| source | system | GPUs | model | precision | micro-batch | measured | predicted |", "|---|---|---|---|---|---|---|---|"]
+    record["weak_scaling"] = []
+    for scaling in weak_scaling(rows, catalog, fitted):
+        r = scaling.row
+        lines.append(f"| {r.source} | {r.gpu}, {r.link} | {r.gpus} | {r.model}-{r.task} {r.seq} | {r.precision} | "
+                     f"{r.micro_batch} | {scaling.measured:.2f} | {scaling.predicted:.2f} |")
+        record["weak_scaling"].append({"source": r.source, "gpu": r.gpu, "gpus": r.gpus, "model": r.model,
+                                       "precision": r.precision, "measured": scaling.measured,
+                                       "predicted": scaling.predicted})
     lines += ["", "## Residuals of the fit to every source (efficiency.csv)", "",
               "| source | GPU | model | precision | micro-batch | measured | fitted | residual |",
               "|---|---|---|---|---|---|---|---|"]

@@ -19,7 +19,8 @@ Leave-one-source-out judges it: the rows of each source (one campaign: the same 
 and software) are predicted from a fit to the other sources only. Absolute error is
 predicted / measured - 1; relative error compares, within one source and workload,
 the ratio of two GPU kinds' throughputs with the predicted ratio — what decides a
-split. Multi-GPU rows are left out of both (the all-reduce is not what is fitted).
+split. Multi-GPU rows are left out of both (the all-reduce is not what is fitted); their
+weak scaling against the same source's single-GPU run judges the all-reduce model.
 
     python -m hetcomm.plan.fit            # refit efficiency.csv from measurements.csv
 """
@@ -36,10 +37,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetcomm.plan.catalog import Catalog, load_catalog
-from hetcomm.plan.cost import (CONTEXT_BYTES, SIMT_SHARE_KEY, STATE_BYTES_PER_PARAMETER, STORAGE, device_cost,
+from hetcomm.plan.cost import (CONTEXT_BYTES, SIMT_SHARE_KEY, STATE_BYTES_PER_PARAMETER, STORAGE, all_reduce_cost,
+                               device_cost, exposed_communication,
                                efficiency_keys, lookup_efficiency, matmul_seconds, micro_batch_cap, peak_flops,
                                per_tensor_optimizer_seconds)
 from hetcomm.plan.model_shape import PRESETS, ModelShape
+from hetcomm.plan.planner import BACKWARD_SHARE
 
 # The search range for a share of peak, and the golden-section steps that narrow it to
 # well under 0.1% of its value; the SIMT shares tried.
@@ -53,6 +56,7 @@ class Measurement:
     source: str
     gpu: str
     gpus: int
+    link: str           # between the gpus (links.csv); empty for one
     model: str          # bert-base / bert-large
     task: str           # qa / mlm
     seq: int
@@ -68,6 +72,12 @@ class Measurement:
     @property
     def shape(self) -> ModelShape:
         return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
+
+    @property
+    def run(self) -> tuple:
+        """What a multi-GPU row shares with its single-GPU twin."""
+        return (self.source, self.gpu, self.model, self.task, self.seq, self.micro_batch, self.accumulation,
+                self.precision, self.attention, self.optimizer, self.software)
 
     @property
     def workload(self) -> tuple:
@@ -263,6 +273,39 @@ def relative_errors(predictions: Sequence[Prediction]) -> list[PairError]:
         groups.setdefault(p.row.workload, []).append(p)
     return [PairError(a, b) for members in groups.values() for a, b in itertools.combinations(members, 2)
             if a.row.gpu != b.row.gpu]
+
+
+@dataclass(frozen=True)
+class Scaling:
+    row: Measurement      # a multi-GPU run
+    single: Measurement   # the same run on one GPU, in the same source
+    predicted: float      # its throughput over gpus × the single GPU's, as the planner predicts it
+
+    @property
+    def measured(self) -> float:
+        return self.row.throughput / (self.row.gpus * self.single.throughput)
+
+
+def weak_scaling(rows: Sequence[Measurement], catalog: Catalog,
+                 efficiencies: dict[tuple[str, str], float]) -> list[Scaling]:
+    """Each multi-GPU row that has a single-GPU twin: the planner's step on one GPU,
+    then the ring all-reduce of the gradients (16-bit in fp16 runs) through the row's
+    link, overlapped with backward as DDP does."""
+    found = []
+    for row in rows:
+        twin = [r for r in rows if r.gpus == 1 and r.run == row.run]
+        if row.gpus == 1 or not twin:
+            continue
+        device = catalog.device(row.gpu)
+        cost = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
+                           attention=row.attention, efficiencies=efficiencies)
+        compute = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch)
+        step = compute + _update(row, device, cost)
+        wire = 2 if STORAGE[row.precision] != "fp32" else 4
+        reduce = all_reduce_cost(row.gpus, row.shape.parameters(row.seq), wire, catalog.link(row.link))
+        exposed = exposed_communication(reduce, BACKWARD_SHARE * compute, overlap=True)
+        found.append(Scaling(row, twin[0], step / (step + exposed)))
+    return found
 
 
 def summary(values: Sequence[float]) -> tuple[float, float]:
