@@ -85,7 +85,8 @@ def report() -> tuple[str, dict]:
             cap = predicted_cap(MaxBatch(r.source, r.gpu, r.model, r.task, r.seq, r.precision, r.attention, 0, "", ""),
                                 catalog)
             ratios.append(cap / r.micro_batch)
-            lines.append(f"| {r.gpu} | {r.model} | {r.precision} | {r.micro_batch} | {cap} | {cap / r.micro_batch:.2f} |")
+            lines.append(f"| {r.gpu} | {r.model} | {r.precision} | {r.micro_batch} | {cap} | "
+                         f"{cap / r.micro_batch:.2f} |")
     lines.append(f"\npredicted / ran: min {min(ratios):.2f}, mean {sum(ratios) / len(ratios):.2f}, "
                  f"max {max(ratios):.2f}")
     record["lambda_2022_cap_over_ran"] = {"min": min(ratios), "mean": sum(ratios) / len(ratios), "max": max(ratios)}
@@ -93,7 +94,8 @@ def report() -> tuple[str, dict]:
     fitted = fit_efficiencies(rows, catalog)
     lines += ["", "## Weak scaling: N GPUs' throughput over N times one GPU's, same source (the planner's ring "
               "all-reduce, overlapped with backward as DDP runs it)", "",
-              "| source | system | GPUs | model | precision | micro-batch | measured | predicted |", "|---|---|---|---|---|---|---|---|"]
+              "| source | system | GPUs | model | precision | micro-batch | measured | predicted |",
+              "|---|---|---|---|---|---|---|---|"]
     record["weak_scaling"] = []
     for scaling in weak_scaling(rows, catalog, fitted):
         r = scaling.row

@@ -38,9 +38,8 @@ from pathlib import Path
 
 from hetcomm.plan.catalog import Catalog, load_catalog
 from hetcomm.plan.cost import (CONTEXT_BYTES, SIMT_SHARE_KEY, STATE_BYTES_PER_PARAMETER, STORAGE, all_reduce_cost,
-                               device_cost, exposed_communication,
-                               efficiency_keys, lookup_efficiency, matmul_seconds, micro_batch_cap, peak_flops,
-                               per_tensor_optimizer_seconds)
+                               device_cost, efficiency_keys, exposed_communication, lookup_efficiency, matmul_seconds,
+                               micro_batch_cap, peak_flops, per_tensor_optimizer_seconds)
 from hetcomm.plan.model_shape import PRESETS, ModelShape
 from hetcomm.plan.planner import BACKWARD_SHARE
 
@@ -210,7 +209,8 @@ def fit_efficiencies(rows: Iterable[Measurement], catalog: Catalog) -> dict[tupl
         if part.keys[0][1] == "tf32":
             device = catalog.device(part.row.gpu)
             fp32 = lookup_efficiency(efficiency_keys(device, "fp32"), fitted)
-            part = replace(part, fp32_path=part.flops_e * peak_flops(device, "tf32") / peak_flops(device, "fp32") / fp32)
+            fp32_seconds = part.flops_e * peak_flops(device, "tf32") / peak_flops(device, "fp32") / fp32
+            part = replace(part, fp32_path=fp32_seconds)
         if part.keys[0][1] != "fp32":
             tensor.append(part)
     simt_share = min(SIMT_SHARE_GRID, key=lambda share: _fit_levels(tensor, share, most_specific_error=True))
@@ -332,10 +332,10 @@ def efficiency_table(fitted: dict[tuple[str, str], float], rows: Sequence[Measur
               "# rows: the single-GPU measurements behind it.\n")
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(("level", "math", "value", "rows"))
+    counts[SIMT_SHARE_KEY] = counts.get(("*", "tf32"), 0) + counts.get(("*", "tensor16"), 0)
     order = {"sm": 0, "*": 2}
     for key in sorted(fitted, key=lambda k: (order.get(k[0][:2] if k[0] != "*" else "*", 1), k)):
-        writer.writerow((*key, f"{fitted[key]:.4f}", counts.get(key, sum(counts.get(("*", m), 0) for m in
-                                                                          ("tf32", "tensor16")) if key == SIMT_SHARE_KEY else 0)))
+        writer.writerow((*key, f"{fitted[key]:.4f}", counts.get(key, 0)))
     return out.getvalue()
 
 
