@@ -210,6 +210,18 @@ def test_profile_recovers_each_ranks_line(tmp_path):
     assert plan.step_s == pytest.approx(best.step_time + 0.03 + 0.004)
 
 
+@pytest.mark.parametrize("recorded", [{"precision": "fp32"}, {}])   # {}: a run from before ranks recorded it
+def test_profile_keeps_the_precision_its_run_computed_in(tmp_path, catalog, recorded):
+    shape = parse_model("layers=2,heads=4,dim=64,vocab=256")
+    true = device_cost(catalog.device("1080ti"), shape, 32, "fp32", wire_bytes=2, memory_fraction=0.9, efficiency=0.4)
+    gpu = {"device": "NVIDIA GeForce GTX 1080 Ti", "capability": [6, 1], "host": "h1", "speed": 1.0, **recorded}
+    lines_ab = [(true.fixed, true.per_sample)] * 2
+    write_run(tmp_path / "run", [gpu, gpu], synthetic_steps(lines_ab, [(6, 6), (5, 7), (7, 5)], 0.01, (0, 0)))
+    profile = load_run_profile(tmp_path / "run")
+    assert [m.cost.precision for m in profile.members()] == ["fp32", "fp32"]
+    assert profile.efficiencies(catalog) == {"1080ti": pytest.approx(0.4)}
+
+
 def test_profile_of_a_fixed_split_falls_back_to_throughput(tmp_path):
     write_run(tmp_path / "run", [CPU] * 2, synthetic_steps([(0.0, 0.02), (0.0, 0.05)], [(6, 6)] * 4, 0.01, (0, 0)))
     ranks = load_run_profile(tmp_path / "run").ranks

@@ -26,6 +26,7 @@ TRAINER_WIRES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 class RankProfile:
     device: str                          # as torch names it ("cpu" for CPU workers)
     capability: tuple[int, int] | None
+    precision: str                       # what the rank computed in, as its run recorded it
     host: str
     speed: float                         # the simulated speed factor (1 on real hardware)
     fixed: float
@@ -65,7 +66,7 @@ class RunProfile:
         parameters = self.model.parameters(self.seq)
         members = []
         for i, rank in enumerate(self.ranks):
-            precision = precision_for_capability(rank.capability)
+            precision = rank.precision
             cost = DeviceCost(precision=precision, fixed=rank.fixed, per_sample=rank.per_sample, cap=rank.cap,
                               state_bytes=parameters * (STATE_BYTES_PER_PARAMETER[precision] + WIRE_BYTES[self.wire]),
                               activation_bytes=self.model.activation_bytes_per_sample(self.seq, precision),
@@ -85,9 +86,8 @@ class RunProfile:
                 device = catalog.device(rank.device)
             except ValueError:
                 continue
-            precision = precision_for_capability(rank.capability)
             found.setdefault(device.name, []).append(
-                measured_efficiency(device, self.model, self.seq, precision, rank.per_sample))
+                measured_efficiency(device, self.model, self.seq, rank.precision, rank.per_sample))
         return {name: statistics.median(values) for name, values in found.items()}
 
 
@@ -155,7 +155,10 @@ def load_run_profile(run_dir: str | Path, first_step: int = 1, last_step: int | 
             fixed, per_sample, method = 0.0, statistics.median(t / b for b, t in points), "throughput"
         jitter = step_jitter(points, fixed, per_sample)
         capability = tuple(rank["capability"]) if rank["capability"] else None
-        ranks.append(RankProfile(device=rank["device"], capability=capability, host=rank["host"],
+        # Runs record each rank's precision; older ones computed by the policy of their day
+        # (fp32 on sm_61), which is what their absence means.
+        precision = rank.get("precision") or ("fp32" if capability == (6, 1) else precision_for_capability(capability))
+        ranks.append(RankProfile(device=rank["device"], capability=capability, precision=precision, host=rank["host"],
                                  speed=float(rank.get("speed", 1.0)), fixed=fixed, per_sample=per_sample,
                                  method=method, jitter=jitter, cap=caps[i],
                                  update_s=statistics.median(r["update_s"][i] for r in chosen)))
