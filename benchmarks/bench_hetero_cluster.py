@@ -99,8 +99,8 @@ def main():
             for number, (label, strategy) in enumerate(strategies.items()):
                 start = time.perf_counter()
                 result = run(strategy, args.steps, slowdown, Path(tmp) / f"{number}-{bool(slowdown)}")
-                # The timed part of the first step (--equal-steps 0) and the untimed run before it count.
-                train_seconds = sum(s["step_s"] for s in result["steps"]) + result["summary"]["probe_s"]
+                # The first step's step_s holds its timed parts (--equal-steps 0) and the warm-up before them.
+                train_seconds = sum(s["step_s"] for s in result["steps"])
                 results[label] = (train_seconds, time.perf_counter() - start, result)
             regime_start = slowdown_step if slowdown else None
             ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start)

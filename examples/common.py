@@ -3,6 +3,9 @@ standard-library sources, which ship with Python, read as bytes: nothing is
 downloaded), BERT's masking of it, and the command line of a (simulated) cluster."""
 
 import argparse
+import json
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -84,6 +87,11 @@ def cluster_arguments(parser: argparse.ArgumentParser) -> None:
                                         "to this machine's cores)")
     group.add_argument("--slowdown", action="append", default=[], metavar="RANK:STEP:FACTOR",
                        help="CPU only: rank RANK runs FACTOR times as fast from STEP on (a card throttling)")
+    group.add_argument("--balance", choices=("dynamic", "static", "equal"), default="dynamic",
+                       help="dynamic: time the first step, rebalance, hand a straggler's samples off; static: the "
+                            "first step's split throughout; equal: no balancing (plain DDP)")
+    group.add_argument("--log-json", metavar="PATH", help="rank 0 writes a JSON line per step here (the benchmarks "
+                                                          "read it)")
     group.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step over all ranks")
     group.add_argument("--steps", type=int, default=30)
     group.add_argument("--seed", type=int, default=0)
@@ -97,3 +105,25 @@ def simulated_speed(rank: int, world: int, device: torch.device, args) -> Simula
     relative = [1.0, 1.0, 0.5, 0.25][:world] + [1.0] * (world - 4)
     factors = parse_speeds(args.speeds or speeds_for_this_machine(relative), world)
     return SimulatedSpeed(rank, factors[rank], tuple(parse_slowdown(s, world) for s in args.slowdown))
+
+
+class StepLog:
+    """Rank 0's JSON line per step: the split, the samples each rank did and at what
+    rate, the step's wall time up to the next step, the loss."""
+
+    def __init__(self, path: str | None, rank: int):
+        self.file = open(Path(path), "w") if path and rank == 0 else None
+        self.last = time.perf_counter()
+
+    def record(self, result) -> None:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        if self.file is None:
+            return
+        samples = [r.samples for r in result.ranks]
+        rates = [r.samples / r.compute_s if r.compute_s > 0 and r.samples else 0.0 for r in result.ranks]
+        self.file.write(json.dumps({"step": result.number, "phase": result.regime, "loss": result.loss,
+                                    "micro_batch": list(result.split), "samples": samples,
+                                    "samples_per_second": rates, "step_s": seconds,
+                                    "handoff": None if result.handoff is None else result.handoff.moved}) + "\n")
+        self.file.flush()

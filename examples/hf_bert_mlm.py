@@ -5,8 +5,8 @@ legacy-GPU study), balanced across ranks of different speeds by hetcomm.loop.
     python examples/hf_bert_mlm.py --size base --steps 5 --seq 128
     torchrun --nproc-per-node 4 examples/hf_bert_mlm.py --size base --seq 128
 
-The model is built from a config (no weights are downloaded): "tiny" for tests and
-CPUs, "base" with bert-base-uncased's shape (110M parameters, its 30522-token
+The model is built from a config (no weights are downloaded): "tiny" for tests,
+"small" (4 layers of 128) for the CPU benchmark, "base" with bert-base-uncased's shape (110M parameters, its 30522-token
 vocabulary). The data is Python's standard-library sources as bytes, masked as BERT
 masks. Needs transformers: pip install 'hetcomm[hf]'.
 """
@@ -18,14 +18,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BYTE_VOCAB, PAD, MaskedLMSamples, cluster_arguments, require_transformers,  # noqa: E402
-                    simulated_speed)
+from common import (BYTE_VOCAB, PAD, MaskedLMSamples, StepLog, cluster_arguments,  # noqa: E402
+                    require_transformers, simulated_speed)
 
 from hetcomm.loop import BalancedLoop  # noqa: E402
 from hetcomm.loop.launch import launch  # noqa: E402
 
 SIZES = {"tiny": {"vocab_size": BYTE_VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "intermediate_size": 256},
+         "small": {"vocab_size": BYTE_VOCAB, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                   "intermediate_size": 512},
          "base": {"vocab_size": 30522}}   # BertConfig's defaults are bert-base's shape
 
 
@@ -43,7 +45,8 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     loop = BalancedLoop(model, MaskedLMSamples(args.seq, seed=args.seed), global_batch=args.global_batch,
-                        split=split, wire_dtype=torch.float32 if device.type == "cpu" else torch.float16,
+                        split=split, balance=args.balance,
+                        wire_dtype=torch.float32 if device.type == "cpu" else torch.float16,
                         seed=args.seed, simulated_speed=simulated_speed(rank, world, device, args),
                         probe_forward=lambda batch: model(**batch).loss)
     if state is not None:
@@ -51,7 +54,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         loop.load_state_dict(state["loop"])
-    losses = []
+    losses, log = [], StepLog(args.log_json, rank)
     for step in loop.steps(args.steps):
         for batch in step:
             with loop.autocast():
@@ -63,6 +66,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
             optimizer.step()
         scheduler.step()
         losses.append(result.loss)
+        log.record(result)
         if rank == 0 and args.log:
             print(f"step {result.number:4d}  loss {result.loss:.4f}  split {'/'.join(map(str, result.split))}",
                   flush=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BYTE_VOCAB, CLS, SEP, CausalLMSamples, cluster_arguments, require_transformers,  # noqa: E402
-                    simulated_speed)
+from common import (BYTE_VOCAB, CLS, SEP, CausalLMSamples, StepLog, cluster_arguments,  # noqa: E402
+                    require_transformers, simulated_speed)
 
 from hetcomm.loop import BalancedLoop  # noqa: E402
 from hetcomm.loop.launch import launch  # noqa: E402
@@ -44,6 +44,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
     model = build_model(args.size, args.seq, args.dropout).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     loop = BalancedLoop(model, CausalLMSamples(args.seq), global_batch=args.global_batch, split=split,
+                        balance=args.balance,
                         items_per_sample=args.seq - 1, seed=args.seed,
                         wire_dtype=torch.float32 if device.type == "cpu" else torch.float16,
                         simulated_speed=simulated_speed(rank, world, device, args),
@@ -52,7 +53,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loop.load_state_dict(state["loop"])
-    losses = []
+    losses, log = [], StepLog(args.log_json, rank)
     for step in loop.steps(args.steps):
         for batch in step:
             with loop.autocast():
@@ -63,6 +64,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None, state=N
             result.clip_grad_norm_(1.0)
             optimizer.step()
         losses.append(result.loss)
+        log.record(result)
         if rank == 0 and args.log:
             print(f"step {result.number:4d}  loss {result.loss:.4f}  split {'/'.join(map(str, result.split))}",
                   flush=True)

@@ -1,0 +1,86 @@
+"""A Hugging Face BERT masked LM (examples/hf_bert_mlm.py, "small": 4 layers of 128,
+byte vocabulary, 128 tokens a sample) trained through hetcomm.loop on a SIMULATED
+cluster of 4 CPU workers whose speeds relate as 1 : 1 : 0.5 : 0.25, with
+
+  (a) an equal split (plain DDP, HetSeq), (b) a static split from the first step's
+  timing (FastSpeed-style), (c) hetcomm's dynamic balancing (rebalancing and handoff),
+
+steady and with rank 1 slowing to a quarter of its speed half-way, each strategy run
+--repeats times. Figures: seconds of training (the sum of the step times) and how far
+over the ideal bound (the global batch over the sum of the ranks' median measured
+throughputs of the dynamic run, per regime; no communication, no update); the median
+and the worst of the repeats. Loss weighting is by masked tokens, as in the example.
+
+    python benchmarks/bench_hetero_bert.py                  # ~6 minutes a repeat on 2 cores
+    python benchmarks/bench_hetero_bert.py --repeats 3 --json out.json
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from bench_hetero_cluster import ideal_seconds
+
+from hetcomm.train.config import DEFAULT_CPU_SPEEDS
+from hetcomm.train.simulate import speeds_for_this_machine
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_bert_mlm.py"
+GLOBAL_BATCH = 64
+MODEL = ["--size", "small", "--seq", "128", "--global-batch", str(GLOBAL_BATCH), "--dropout", "0", "--no-log"]
+STRATEGIES = {"equal split": "equal", "static split (first step's timing)": "static",
+              "hetcomm dynamic": "dynamic"}
+
+
+def run(balance: str, steps: int, slowdown: str | None, log: Path) -> list[dict]:
+    command = [sys.executable, str(EXAMPLE), "--nproc", "4", "--speeds", speeds_for_this_machine(DEFAULT_CPU_SPEEDS),
+               "--steps", str(steps), "--balance", balance, "--log-json", str(log), *MODEL]
+    if slowdown:
+        command += ["--slowdown", slowdown]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", help="also write every run's figures and step log here")
+    args = parser.parse_args()
+    slowdown_step = args.steps // 2
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
+                logs = {label: run(balance, args.steps, slowdown, Path(tmp) / f"{repeat}-{balance}-{bool(slowdown)}")
+                        for label, balance in STRATEGIES.items()}
+                ideal = ideal_seconds(logs["hetcomm dynamic"], slowdown_step if slowdown else None)
+                for label, log in logs.items():
+                    seconds = sum(s["step_s"] for s in log)
+                    runs.append({"repeat": repeat, "scenario": scenario, "strategy": label, "seconds": seconds,
+                                 "ideal_seconds": ideal, "over_ideal": seconds / ideal - 1,
+                                 "final_split": log[-1]["micro_batch"], "steps": log})
+    print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
+          f"CPU machine: 4 Gloo workers, speed factors {speeds_for_this_machine(DEFAULT_CPU_SPEEDS)} (relative "
+          f"1 : 1 : 0.5 : 0.25), HF BertForMaskedLM 4x128, {args.steps} steps of {GLOBAL_BATCH} samples x 128 "
+          f"tokens, {args.repeats} repeat(s), torch {torch.__version__}. Seconds of training (sum of step times).\n")
+    print("| scenario | strategy | seconds (median) | over the ideal bound: median | worst | each repeat |")
+    print("|---|---|---|---|---|---|")
+    for scenario in dict.fromkeys(r["scenario"] for r in runs):
+        for label in STRATEGIES:
+            mine = [r for r in runs if r["scenario"] == scenario and r["strategy"] == label]
+            over = [r["over_ideal"] for r in mine]
+            each = " / ".join(f"{100 * o:+.1f}%" for o in over)
+            print(f"| {scenario} | {label} | {statistics.median(r['seconds'] for r in mine):.1f} | "
+                  f"{100 * statistics.median(over):+.1f}% | {100 * max(over):+.1f}% | {each} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
