@@ -162,12 +162,30 @@ class Rebalancer:
                 raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
                                  f"(rank {i} processed {done[i]} samples)")
         predicted = predict_rank_times(tuple(done), self.profiles, self.memory_caps, self.policy)
+        speeds = {i: predicted[i] / compute_times[i] for i in measured}
+        common, unbias = self._common_deviation(speeds)
         self.shifted = False
         for i in measured:
-            self._measure(i, predicted[i] / compute_times[i])
+            self._measure(i, speeds[i], common, unbias)
         self.steps_since_change += 1
 
-    def _measure(self, i: int, speed: float) -> None:
+    def _common_deviation(self, speeds: dict[int, float]) -> tuple[float, float]:
+        """The part of this step's deviations from the estimates that every rank shares
+        (log scale): their median over the n ranks with an estimate and no shift (a
+        median, so that one noisy rank does not lend its noise to the quiet ones), and
+        n / (n - 1), which makes the squared deviations from it estimates of each rank's
+        own noise again, on the safe side (for n equally noisy ranks they hold about
+        (n - 1) / n of it, a little more for n > 2). A machine
+        or job that runs a step slower or faster as a whole (the first steps' warm-up,
+        the load of a shared host) moves every rank alike and leaves the best split where
+        it was; counted as each rank's own noise, it would widen the margins that hold a
+        needed change back (two equal ranks split 39/32 by a noisy first timing stayed so
+        for 12 steps). (0, 1) with fewer than two such ranks."""
+        logs = [math.log(speed / self.speeds[i]) for i, speed in speeds.items()
+                if self.recent[i] and self.trial_from[i] is None and not self._beyond_shift_bound(i, speed)]
+        return (statistics.median(logs), len(logs) / (len(logs) - 1)) if len(logs) >= 2 else (0.0, 1.0)
+
+    def _measure(self, i: int, speed: float, common: float = 0.0, unbias: float = 1.0) -> None:
         """Folds rank i's speed measured this step into its estimate."""
         if self.trial_from[i] is not None:
             before, jumped = self.trial_from[i], self.speeds[i]
@@ -185,10 +203,12 @@ class Rebalancer:
             self.speeds[i], self.level_count[i] = speed, 1   # the first measurement
             return
         # The noise of a single measurement, which is what the shift bound tests (the
-        # median's is smaller, so the noise margin built on it errs on the safe side).
+        # median's is smaller, so the noise margin built on it errs on the safe side),
+        # against the other ranks: what the whole cluster did alike moves no split.
         self.measured[i] += 1
         weight = 1 / min(self.measured[i] + PRIOR_WEIGHT, VARIANCE_MEMORY)
-        self.variances[i] = (1 - weight) * self.variances[i] + weight * math.log(speed / self.speeds[i]) ** 2
+        deviation = math.log(speed / self.speeds[i]) - common
+        self.variances[i] = (1 - weight) * self.variances[i] + weight * unbias * deviation ** 2
         self.level_count[i] += 1
         weight = max(self.smoothing, 1 / self.level_count[i])   # the mean, then the moving average
         self.speeds[i] = (1 - weight) * self.speeds[i] + weight * statistics.median(recent)
