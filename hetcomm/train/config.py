@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     opt.add_argument("--wire", choices=WIRES, default=d.wire, help="gradient all-reduce dtype (default %(default)s)")
     opt.add_argument("--loss-scale", type=float, default=d.loss_scale, help="initial dynamic loss scale")
     opt.add_argument("--precision", choices=("auto", *PRECISIONS), default=d.precision,
-                     help="compute precision: auto picks per device (fp32 on CPUs and sm_61, fp16 on sm_60/70/75, "
+                     help="compute precision: auto picks per device (fp32 on CPUs, fp16 before sm_80, "
                           "bf16 on sm_80+), or one for every rank (default %(default)s)")
     opt.add_argument("--weights", choices=WEIGHTS, default=d.weights,
                      help="when computing in 16-bit: compute = the model's weights in 16-bit with fp32 master "
