@@ -39,6 +39,13 @@ def hook_scenarios(rank, world, counts):
     state16.set_weight(0.2)
     out["bad_sum"] = error_of(lambda: ddp_backward(ddp16, rank, counts, LOSS_SCALE))
 
+    # A loss scale unlike the others' on one rank: refused at the first bucket, everywhere.
+    unlike = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
+    unlike_state = hetcomm.WeightedHookState(wire_dtype=torch.float16, loss_scale=LOSS_SCALE * (2 if rank == 3 else 1))
+    unlike.register_comm_hook(unlike_state, hetcomm.weighted_hook)
+    unlike_state.set_weight(n / total)
+    out["unlike_scale"] = error_of(lambda: ddp_backward(unlike, rank, counts, LOSS_SCALE))
+
     equal = [6] * world
     plain = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
     hooked = DistributedDataParallel(TinyNet(), find_unused_parameters=True)
@@ -90,6 +97,8 @@ def test_hook_bad_weights_fail_every_rank(ranks):
     for r in ranks:
         assert r["bad_sum"] is not None
         assert "the weights add up to 0.8 across 4 ranks; expected 1" in r["bad_sum"][1]
+        assert "the ranks' loss scales differ (rank 0: 1024, rank 1: 1024, rank 2: 1024, rank 3: 2048)" \
+            in r["unlike_scale"][1]
 
 
 def test_equal_weights_reproduce_ddp_default_averaging(ranks):

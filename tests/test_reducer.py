@@ -41,6 +41,22 @@ def scenarios(rank, world, counts):
     out["divisor_errors"] = [error_of(lambda: reducer.reduce(weight=n / total, grad_divisor=5.0)),
                              error_of(lambda: reducer.reduce(count=n, grad_divisor=0.0))]
 
+    # One rank set up unlike the others: the same error on every rank before any bucket
+    # is sent (a bucket of another size or dtype would fail the all-reduce on one rank
+    # and hang the others), and the group stays usable.
+    local_backward(model, rank, counts)
+    before = grads_of(model)
+    out["unlike_settings"] = []
+    for setting, value in (("wire_dtype", torch.float32), ("overlap", True), ("bucket_cap_mb", 0.0005)):
+        unlike = hetcomm.WeightedReducer(model.parameters(), **({setting: value} if rank == 1 else {}))
+        start = unlike.begin if rank == 1 and setting == "overlap" else unlike.reduce
+        out["unlike_settings"].append(error_of(lambda: start(weight=n / total)))
+    # Another loss scale on one rank would unscale its copy of the sum wrongly, silently.
+    scale = LOSS_SCALE * (2 if rank == 3 else 1)
+    out["unlike_loss_scale"] = error_of(lambda: reducer.reduce(weight=n / total, loss_scale=scale))
+    out["unlike_left_gradients_alone"] = all(torch.equal(g, before[k]) for k, g in grads_of(model).items()
+                                             if g is not None)
+
     reducer16 = hetcomm.WeightedReducer(model.parameters(), wire_dtype=torch.float16)
     local_backward(model, rank, counts, scale=LOSS_SCALE)
     result = reducer16.reduce(weight=n / total, loss_scale=LOSS_SCALE)
@@ -268,6 +284,20 @@ def test_bad_weights_raise_the_same_error_on_every_rank(ranks):
             kind, message = r[key]
             assert kind == "ValueError" and pattern in message, (key, message)
     assert "here: weight=-1.0 is negative" in ranks[1]["negative"][1]
+
+
+def test_settings_unlike_on_one_rank_raise_the_same_error_on_every_rank(ranks):
+    for r in ranks:
+        messages = [message for _, message in r["unlike_settings"]]
+        assert [kind for kind, _ in r["unlike_settings"]] == ["LayoutMismatch"] * 3
+        assert "the ranks' wire_dtype differs" in messages[0]
+        assert "the ranks' overlap differs" in messages[1]
+        assert "the ranks' bucket layout (bucket_cap_mb) differs" in messages[2]
+        kind, message = r["unlike_loss_scale"]
+        assert kind == "ValueError" and "the ranks' loss scales differ (rank 0: 1024, rank 1: 1024, rank 2: 1024, " \
+            "rank 3: 2048)" in message
+        assert r["unlike_left_gradients_alone"]
+    # The group stayed usable: the reductions after these match the reference (other tests).
 
 
 def test_gathered_values_reach_every_rank_as_sent(ranks):

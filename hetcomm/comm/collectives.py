@@ -2,6 +2,7 @@
 live, waiting with a deadline, and checks that every rank agrees on."""
 
 import hashlib
+import time
 from datetime import timedelta
 
 import torch
@@ -30,7 +31,9 @@ def launch_all_reduce(tensor: Tensor, group, op=dist.ReduceOp.SUM):
 
 def wait(work, timeout: timedelta | None, what: str) -> None:
     """Waits for an async collective; a timeout or a vanished peer becomes a
-    CollectiveTimeout that says what was being waited for."""
+    CollectiveTimeout that says what was being waited for, and whether the deadline
+    passed or a peer's connection failed before it."""
+    start = time.monotonic()
     try:
         if timeout is None:
             work.wait()
@@ -40,10 +43,14 @@ def wait(work, timeout: timedelta | None, what: str) -> None:
         text = str(error).lower()
         if any(word in text for word in ("timeout", "timed out", "connection closed", "connection reset",
                                           "broken pipe", "aborted")):
-            limit = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= 0.9 * timeout.total_seconds():
+                happened = f"not every rank answered within {timeout.total_seconds():g} s"
+            else:
+                happened = f"a peer's connection failed after {waited:.1f} s"
             raise CollectiveTimeout(
-                f"{what}: not every rank answered{limit}. A rank may have died, stalled or not called in "
-                f"the same collective; the process group must be rebuilt. ({str(error).splitlines()[0]})"
+                f"{what}: {happened}. A rank may have died, stalled or not called in the same collective; "
+                f"the process group must be rebuilt. ({str(error).splitlines()[0]})"
             ) from error
         raise
 
@@ -75,12 +82,17 @@ def layout_fingerprint(params) -> int:
     return int.from_bytes(digest.digest()[:8], "little") >> 2
 
 
-def check_same_layout(params, group, timeout: timedelta | None, who: str, gather_size: int = 0) -> None:
-    """Raises LayoutMismatch on every rank if any two ranks' parameter lists, or the
-    sizes of what they gather along with the weights, differ."""
+def check_same_layout(params, group, timeout: timedelta | None, who: str, gather_size: int = 0,
+                      settings: dict[str, tuple[int, str]] | None = None) -> None:
+    """Raises LayoutMismatch on every rank if any two ranks' parameter lists, the sizes
+    of what they gather along with the weights, or their `settings` (name -> a number
+    to compare and this rank's setting in words) differ."""
     mine = layout_fingerprint(params)
+    settings = settings or {}
+    codes = [code for code, _ in settings.values()]
     # MAX of (x, -x) gives the largest and the negated smallest value in one call.
-    probe = torch.tensor([mine, -mine, len(params), -len(params), gather_size, -gather_size], dtype=torch.int64,
+    values = [mine, len(params), gather_size, *codes]
+    probe = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.int64,
                          device=control_device(group))
     wait(launch_all_reduce(probe, group, dist.ReduceOp.MAX), timeout, f"{who}: the parameter layout check")
     largest, smallest, most, fewest = probe[0].item(), -probe[1].item(), probe[2].item(), -probe[3].item()
@@ -92,3 +104,7 @@ def check_same_layout(params, group, timeout: timedelta | None, who: str, gather
             f"{who}: the ranks' parameter lists differ (between {fewest} and {most} parameters; shapes, "
             f"dtypes or order differ). Every rank must pass the same model's parameters in the same order; "
             f"this rank has {len(params)} (layout digest {mine:x}).")
+    for k, (name, (_, words)) in enumerate(settings.items(), start=3):
+        if probe[2 * k].item() != -probe[2 * k + 1].item():
+            raise LayoutMismatch(f"{who}: the ranks' {name} differs (this rank: {words}); every rank must "
+                                 f"construct the reducer with the same settings")

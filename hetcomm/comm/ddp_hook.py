@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hetcomm import ops
 from hetcomm.comm.collectives import launch_all_reduce
-from hetcomm.comm.reducer import check_wire_dtype, scalar_on
+from hetcomm.comm.reducer import WIRE_DTYPES, check_wire_dtype, scalar_on
 from hetcomm.comm.weights import agree_share
 
 
@@ -70,7 +70,11 @@ class WeightedHookState:
         the same error if they are wrong) and reset the step's flags."""
         if self._value is None:
             raise RuntimeError(f"{self.who}: call state.set_weight(...) or state.set_count(...) before backward")
-        share = agree_share(self._value, self._by_count, self.process_group, self.timeout, self.who)
+        # The wire dtype and the loss scale must be every rank's: buckets of another dtype
+        # would fail the all-reduce, and another scale would unpack a wrong gradient silently.
+        same = {"loss scales": self.loss_scale,
+                "wire dtypes (0 = float32, 1 = float16, 2 = bfloat16)": WIRE_DTYPES.index(self.wire_dtype)}
+        share = agree_share(self._value, self._by_count, self.process_group, self.timeout, self.who, same=same)
         self.weight, self.total = share.weight, share.total
         self._scale = scalar_on(share.weight, device)
         self._inv_loss_scale = scalar_on(self.loss_scale, device).reciprocal()

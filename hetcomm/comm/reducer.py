@@ -1,6 +1,7 @@
 """WeightedReducer: the weighted gradient all-reduce for custom training loops."""
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ def _pack_weight(share: Share, grad_divisor: float | None) -> float:
     """The factor this rank's gradients are packed with: n_i / N for gradients of the
     mean over its n_i items, grad_divisor / N for their sum over grad_divisor."""
     return share.weight if grad_divisor is None else grad_divisor / share.total
+
+
+def _same_loss_scale(loss_scale: float | Tensor | None) -> dict[str, float | Tensor]:
+    """The loss scale every rank must share: the reduced gradient is unscaled by each
+    rank's own, so another scale on one rank would leave its copy wrong, silently."""
+    return {"loss scales": 1.0 if loss_scale is None else loss_scale}
 
 
 def check_wire_dtype(wire_dtype: torch.dtype, group, who: str) -> None:
@@ -129,6 +136,7 @@ class WeightedReducer:
         if isinstance(gather_size, bool) or not isinstance(gather_size, int) or gather_size < 0:
             raise ValueError(f"{self.who}: gather_size must be a non-negative integer; got {gather_size!r}")
         self.gather_size = gather_size
+        self.bucket_cap_mb = bucket_cap_mb
         self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20), small_first=overlap)
         self._layout_checked = False
         self._step: _Step | None = None
@@ -168,7 +176,7 @@ class WeightedReducer:
         # gradient for rides in the agreement instead of a collective of its own.
         agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
                               self.who, [p.grad is not None for p in self.params], gather,
-                              self.gather_size)
+                              self.gather_size, same=_same_loss_scale(loss_scale))
         missing = [p for p in self.params if p.grad is None]
         if count is None:
             self._step = self._new_step(float(weight), loss_scale)
@@ -226,7 +234,8 @@ class WeightedReducer:
         """
         self._check_start(weight, count, grad_divisor)
         share = agree_share(float(weight if count is None else count), count is not None, self.control_group,
-                            self.timeout, self.who, gathered=gather, gather_size=self.gather_size)
+                            self.timeout, self.who, gathered=gather, gather_size=self.gather_size,
+                            same=_same_loss_scale(loss_scale))
         self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
         self._step.share = share
 
@@ -242,7 +251,7 @@ class WeightedReducer:
         if self._step is not None:
             raise RuntimeError(f"{self.who}: begin() called twice; call finish() to end the previous step")
         if not self._layout_checked:
-            check_same_layout(self.params, self.group, self.timeout, self.who, self.gather_size)
+            check_same_layout(self.params, self.group, self.timeout, self.who, self.gather_size, self._settings())
             self._layout_checked = True
             # The ranks agree on their weights over connections of their own: on the gradients'
             # connections that tiny all-reduce queues behind megabytes of buckets (measured on a
@@ -251,6 +260,16 @@ class WeightedReducer:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             self.control_group = dist.new_group(ranks, backend=dist.get_backend(self.group),
                                                 use_local_synchronization=True)
+
+    def _settings(self) -> dict[str, tuple[int, str]]:
+        """What every rank must have set alike before any bucket is sent: a bucket of
+        another size or dtype on one rank would make the all-reduce fail or mix
+        unrelated values. Name -> (a number to compare, this rank's setting in words)."""
+        layout = hashlib.sha256(repr([b.numel for b in self.buckets]).encode()).digest()
+        return {"wire_dtype": (WIRE_DTYPES.index(self.wire_dtype), str(self.wire_dtype)),
+                "overlap": (int(self.overlap), str(self.overlap)),
+                "bucket layout (bucket_cap_mb)": (int.from_bytes(layout[:8], "little") >> 2,
+                                                  f"{len(self.buckets)} buckets of {self.bucket_cap_mb:g} MB at most")}
 
     def _new_step(self, weight: float, loss_scale: float | Tensor | None) -> _Step:
         device = self.params[0].device

@@ -46,14 +46,21 @@ def local_problem(value: float, by_count: bool, gathered: list, gather_size: int
 
 class Agreement:
     """One launched SUM all-reduce of [value, by_count, a problem flag per rank,
-    optionally a has-a-gradient flag per parameter, and gather_size values per rank,
-    each rank filling its own]. result() waits for it and judges: every rank reaches the
-    same verdict from the same sums. The gathered values arrive exactly as sent (each
-    slot is one rank's value plus zeros)."""
+    optionally a has-a-gradient flag per parameter, gather_size values per rank, and
+    per rank each setting every rank must share, each rank filling its own]. result()
+    waits for it and judges: every rank reaches the same verdict from the same sums. The
+    gathered values and settings arrive exactly as sent (each slot is one rank's value
+    plus zeros).
+
+    same: settings every rank must pass alike this step (the loss scale the gradients
+    carry: unpacked with another rank's scale they would be wrong with no error), by
+    name; a value may be a 1-element tensor on the device (no host sync)."""
 
     def __init__(self, value: float, by_count: bool, group, who: str, used_here: list[bool] | None = None,
-                 gathered: list[float] | None = None, gather_size: int = 0):
+                 gathered: list[float] | None = None, gather_size: int = 0,
+                 same: dict[str, float | torch.Tensor] | None = None):
         self.value, self.by_count, self.group, self.who = value, by_count, group, who
+        self.same = dict(same or {})
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [] if gathered is None else list(gathered)
         self.problem = local_problem(value, by_count, gathered, gather_size)
@@ -68,7 +75,14 @@ class Agreement:
         if self.problem is None and gather_size:
             start = used_end + rank * gather_size
             header[start:start + gather_size] = torch.tensor(gathered, dtype=torch.float64)
-        self.header = header.to(control_device(group))
+        self.settings_start = used_end + self.world * gather_size
+        self.header = torch.cat([header, torch.zeros(self.world * len(self.same), dtype=torch.float64)]).to(
+            control_device(group))
+        for k, setting in enumerate(self.same.values()):
+            # Written where the header lives: a device tensor's value is never read on the host here.
+            slot = self.settings_start + k * self.world + rank
+            self.header[slot:slot + 1] = torch.as_tensor(setting, dtype=torch.float64).reshape(1).to(
+                self.header.device)
         self.work = launch_all_reduce(self.header, group)
         self.counting_ranks: int | None = None  # known once result() has waited
 
@@ -81,7 +95,9 @@ class Agreement:
         total, self.counting_ranks = header[0].item(), round(header[1].item())
         used_end = 2 + world + len(self.used_here)
         users = [round(u) for u in header[2 + world:used_end].tolist()] if self.used_here else None
-        gathered = header[used_end:].reshape(world, self.gather_size).tolist() if self.gather_size else None
+        gathered = header[used_end:self.settings_start].reshape(world, self.gather_size).tolist() \
+            if self.gather_size else None
+        settings = header[self.settings_start:].reshape(len(self.same), world).tolist()
         bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
         if bad_ranks:
             detail = f" (here: {self.problem})" if self.problem else ""
@@ -91,6 +107,10 @@ class Agreement:
         if self.mixed:
             raise ValueError(f"{who}: {self.counting_ranks} of {world} ranks passed count= and the others weight=; "
                              f"all ranks must use the same one")
+        for name, values in zip(self.same, settings):
+            if len(set(values)) > 1:
+                each = ", ".join(f"rank {r}: {v:g}" for r, v in enumerate(values))
+                raise ValueError(f"{who}: the ranks' {name} differ ({each}); every rank must use the same")
         if self.by_count:
             if total <= 0:
                 raise ValueError(f"{who}: the counts add up to {total:g} across {world} ranks; at least one rank "
@@ -109,6 +129,6 @@ class Agreement:
 
 def agree_share(value: float, by_count: bool, group, timeout: timedelta | None, who: str,
                 used_here: list[bool] | None = None, gathered: list[float] | None = None,
-                gather_size: int = 0) -> Share:
+                gather_size: int = 0, same: dict[str, float | torch.Tensor] | None = None) -> Share:
     """Agreement(...).result(timeout) in one call."""
-    return Agreement(value, by_count, group, who, used_here, gathered, gather_size).result(timeout)
+    return Agreement(value, by_count, group, who, used_here, gathered, gather_size, same).result(timeout)
