@@ -1,0 +1,12 @@
+// Included first in csrc/cuda/multi_tensor_cuda.cu (g++ -include): the CUDA built-ins
+// and launch, then the real kernel headers read as device code of the emulated
+// architecture. __CUDA_ARCH__ is defined only while they are read: torch's headers,
+// which come later, must stay host code. The kernel headers' include guards keep the
+// .cu file's own includes of them from reading them again as host code.
+#pragma once
+
+#include "hetemu/runtime.h"
+
+#define __CUDA_ARCH__ HETEMU_ARCH
+#include "kernels/multi_tensor.cuh"
+#undef __CUDA_ARCH__
