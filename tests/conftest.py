@@ -2,8 +2,10 @@
 
 import os
 
+import cuda_emulator
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 if not torch.cuda.is_available():
     # Without a GPU, the Triton kernels run on CPU tensors in Triton's interpreter.
@@ -17,10 +19,68 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # back end's 32768-element work chunks.
 ODD_SIZES = [1, 7, 8, 9, 769, 5125, 32768 * 2 + 5]
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
-]
+# The back ends the op tests run against, each named by a `device` parameter (see the
+# fixture below): the CPU kernels; the CUDA kernels on a real GPU; the same CUDA kernels
+# compiled for emulated sm_61, sm_75 and sm_80 GPUs and run on CPU tensors by
+# tests/cuda_emulator, under three thread schedules; and the Triton kernels (in Triton's
+# interpreter on CPU tensors without a GPU).
+REAL_GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+EMULATED_GPUS = [f"emu-{gpu}-{schedule}" for gpu in cuda_emulator.GPUS for schedule in cuda_emulator.SCHEDULES]
+CUDA_DEVICES = [REAL_GPU, *EMULATED_GPUS]
+NATIVE_DEVICES = ["cpu", *CUDA_DEVICES]  # what has a cast_ kernel
+DEVICES = [*NATIVE_DEVICES, "triton"]
+
+
+@pytest.fixture
+def device(request):
+    """The device of a test's tensors, with the back end that its `device` parameter
+    names switched on for the test: "cpu" and "cuda" as they are; "emu-<gpu>-<schedule>"
+    binds the emulated GPU's CUDA kernels to the hetcomm ops on CPU tensors; "triton"
+    makes the Triton kernels the default back end. Tests take it through
+    @pytest.mark.parametrize("device", DEVICES, indirect=True)."""
+    target = request.param
+    if target.startswith("emu-"):
+        _, gpu, schedule = target.split("-", 2)
+        with cuda_emulator.emulated_gpu(gpu).running(schedule):
+            yield "cpu"
+    elif target == "triton":
+        pytest.importorskip("triton")
+        import hetcomm  # here, not at the top: TRITON_INTERPRET must be set first
+
+        previous = hetcomm.get_backend()
+        hetcomm.set_backend("triton")
+        try:
+            yield "cuda" if torch.cuda.is_available() else "cpu"
+        finally:
+            hetcomm.set_backend(previous)
+    else:
+        yield target
+
+
+@pytest.fixture
+def count_launches(request, device):
+    """count_launches(run) -> the number of hetcomm kernels that run() launches on the
+    test's CUDA device: counted by the profiler on a GPU, by the emulator otherwise."""
+    target = request.node.callspec.params["device"]
+    if target.startswith("emu-"):
+        gpu = cuda_emulator.emulated_gpu(target.split("-")[1])
+
+        def count(run) -> int:
+            before = gpu.launches()
+            run()
+            return gpu.launches() - before
+
+        return count
+
+    def count_on_gpu(run) -> int:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA
+                   and ("multi_tensor_kernel" in e.name or "add_sum_of_squares_kernel" in e.name))
+
+    return count_on_gpu
 
 
 @pytest.fixture(autouse=True)

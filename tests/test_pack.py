@@ -9,7 +9,7 @@ import hetcomm
 from hetcomm import reference
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("wire_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("src_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("size", ODD_SIZES)
@@ -21,7 +21,7 @@ def test_pack_matches_reference(device, src_dtype, wire_dtype, size):
     assert_same_bits(packed, reference.pack(src, scale, wire_dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("misaligned", [False, True])
 @pytest.mark.parametrize("wire_dtype", FLOAT_DTYPES)
 def test_pack_gpt_parameter_list(device, wire_dtype, misaligned):
@@ -31,7 +31,7 @@ def test_pack_gpt_parameter_list(device, wire_dtype, misaligned):
     assert_same_bits(hetcomm.pack(src, scale, wire_dtype), reference.pack(src, scale, wire_dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("wire_dtype", FLOAT_DTYPES)
 def test_pack_cast_is_torch_cast(device, wire_dtype):
     """With scale 1, packing is exactly torch's own .to(): ties, subnormals, overflow."""
@@ -40,7 +40,7 @@ def test_pack_cast_is_torch_cast(device, wire_dtype):
     assert_same_bits(packed, values.to(wire_dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_pack_into_preallocated_buffer_mixed_dtypes(device):
     src = make_tensors([(5,), (769,)], torch.float16, device) + make_tensors([(33,)], torch.bfloat16, device)
     out = torch.full((807,), 7.0, dtype=torch.bfloat16, device=device)
@@ -49,7 +49,7 @@ def test_pack_into_preallocated_buffer_mixed_dtypes(device):
     assert_same_bits(out, reference.pack(src, scalar(-2.0, device), torch.bfloat16))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_pack_passes_nonfinite_through(device):
     src = [torch.tensor([1.0, float("inf"), float("-inf"), float("nan"), 1e30], device=device)]
     packed = hetcomm.pack(src, 1.0, torch.float16)
@@ -62,7 +62,7 @@ def test_pack_of_empty_tensors_only():
     assert packed.shape == (0,) and packed.dtype == torch.float16
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_pack_opcheck(device):
     src = make_tensors([(3, 5), (769,), (0,)], torch.float32, device)
     scale = scalar(0.5, device)

@@ -20,7 +20,7 @@ def run_both(flat, shapes, dst_dtype, scale_value, device, with_norm=True):
     return results
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dst_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("wire_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("size", ODD_SIZES)
@@ -35,7 +35,7 @@ def test_unpack_matches_reference(device, wire_dtype, dst_dtype, size):
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_unpack_gpt_parameter_list(device, misaligned):
     shapes = gpt_parameter_shapes()
@@ -50,7 +50,7 @@ def test_unpack_gpt_parameter_list(device, misaligned):
     torch.testing.assert_close(norm.double().cpu(), exact.reshape(1).cpu(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("position", [0, 5, 4999])
 def test_unpack_flags_nonfinite_anywhere(device, bad_value, position):
@@ -62,7 +62,7 @@ def test_unpack_flags_nonfinite_anywhere(device, bad_value, position):
         assert_same_bits(got, want)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unpack_flags_overflow_of_destination_dtype(device):
     """A finite wire value that overflows fp16 after scaling is caught as it is written."""
     flat = torch.tensor([1.0, 2.0, 40000.0], device=device)
@@ -70,7 +70,7 @@ def test_unpack_flags_overflow_of_destination_dtype(device):
     assert found.item() == 1.0 and dst[0][2].item() == float("inf")
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unpack_never_clears_found_inf_and_accumulates_norm(device):
     flat = torch.ones(10, device=device)
     dst = [torch.empty(10, device=device)]
@@ -95,7 +95,7 @@ def test_unpack_sum_of_squares_is_independent_of_thread_count():
     assert torch.equal(norms[0], norms[1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unpack_opcheck(device):
     flat = torch.randn(784, device=device).bfloat16()
     dst = make_tensors([(3, 5), (769,), (0,)], torch.float32, device)

@@ -8,7 +8,7 @@ import hetcomm
 from hetcomm import reference
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("size", ODD_SIZES)
 def test_unscale_matches_reference_and_torch(device, dtype, size):
@@ -26,7 +26,7 @@ def test_unscale_matches_reference_and_torch(device, dtype, size):
     assert found.item() == ref_found.item() == torch_found.item() == 0.0
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unscale_mixed_dtypes_gpt_list(device):
     shapes = gpt_parameter_shapes()
     tensors = [t.to(FLOAT_DTYPES[i % 3]) for i, t in enumerate(make_tensors(shapes, torch.float32, device))]
@@ -38,7 +38,7 @@ def test_unscale_mixed_dtypes_gpt_list(device):
         assert_same_bits(got, want)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
 def test_unscale_flags_nonfinite_input(device, dtype, bad_value):
@@ -53,7 +53,7 @@ def test_unscale_flags_nonfinite_input(device, dtype, bad_value):
         assert_same_bits(got, theirs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_unscale_opcheck(device):
     tensors = make_tensors([(3, 5), (769,)], torch.float16, device)
     torch.library.opcheck(torch.ops.hetcomm.unscale_.default,
