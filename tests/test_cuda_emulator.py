@@ -1,6 +1,10 @@
 """The CPU emulator of the CUDA back end (tests/cuda_emulator) itself: that the op tests
-on the emulated GPUs really run the CUDA kernels, and what only several emulated GPUs
-can show at once. The kernels' own tests are the emulated `device` parametrizations."""
+on the emulated GPUs really run the CUDA kernels, that its conversions are the GPU's,
+and what only several emulated GPUs can show at once. The kernels' own tests are the
+emulated `device` parametrizations."""
+
+import subprocess
+from pathlib import Path
 
 import cuda_emulator
 import pytest
@@ -40,3 +44,16 @@ def test_sum_of_squares_is_the_same_on_every_gpu_and_schedule():
             norms[gpu, schedule] = norm
     first = next(iter(norms.values()))
     assert all(torch.equal(first, norm) for norm in norms.values()), norms
+
+
+def test_shim_conversions_agree_with_the_cpu_over_every_input(tmp_path):
+    """The fp16 and bf16 conversions of the shim, over all 2^32 floats and 2^16 halves,
+    against the CPU's F16C instructions (~8 s of CPU time)."""
+    emulator = Path(cuda_emulator.__file__).parent
+    binary = tmp_path / "conversions"
+    subprocess.run([cuda_emulator.build.CXX, "-O2", "-std=c++20", "-pthread", f"-I{emulator / 'shim'}",
+                    str(emulator / "selfcheck" / "conversions.cpp"), "-o", str(binary)], check=True)
+    result = subprocess.run([str(binary)], capture_output=True, text=True)
+    if result.returncode == 77:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout
