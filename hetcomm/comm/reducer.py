@@ -124,8 +124,8 @@ class WeightedReducer:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError(f"{self.who}: params holds no parameter that requires grad")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"{self.who}: bucket_cap_mb must be positive; got {bucket_cap_mb}")
+        if not (isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(f"{self.who}: bucket_cap_mb must be a finite positive number; got {bucket_cap_mb!r}")
         self.group = process_group
         self.control_group = None   # made at the first reduce, once every rank has shown up
         check_wire_dtype(wire_dtype, process_group, self.who)

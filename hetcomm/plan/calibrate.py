@@ -18,8 +18,11 @@ from hetcomm.plan.catalog import Catalog, Link
 from hetcomm.plan.cost import STATE_BYTES_PER_PARAMETER, DeviceCost, measured_efficiency
 from hetcomm.plan.model_shape import ModelShape
 from hetcomm.plan.planner import WIRE_BYTES, Member
+from hetcomm.train.runlog import read_steps
 
 TRAINER_WIRES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# What the profile reads from each step's record ("samples" too, where the run logged it).
+PROFILED = ("step", "micro_batch", "compute_s", "update_s", "wait_s")
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,9 @@ def load_run_profile(run_dir: str | Path, first_step: int = 1, last_step: int | 
                          f"older hetcomm: run it again")
     config = header["config"]
     try:
-        records = [json.loads(line) for line in steps_path.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--profile {run_dir}: {steps_path.name} is not JSON lines: {error}") from None
+        records = read_steps(path, required=PROFILED)
+    except ValueError as error:
+        raise ValueError(f"--profile {run_dir}: {error}") from None
     chosen = [r for r in records if r["step"] >= first_step and (last_step is None or r["step"] <= last_step)]
     if not chosen:
         raise ValueError(f"--profile {run_dir}: no steps between {first_step} and {last_step} in {steps_path.name}")

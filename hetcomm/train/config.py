@@ -2,10 +2,13 @@
 before any process starts, so that bad input is one clear message and nothing runs."""
 
 import argparse
+import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from hetcomm.amp import PRECISIONS
-from hetcomm.train.data import VOCAB_SCAN_MAX_TOKENS
+from hetcomm.train.data import VOCAB_SCAN_MAX_TOKENS, load_windows
 from hetcomm.train.per_rank import parse_per_rank
 from hetcomm.train.simulate import parse_slowdown, parse_speeds
 
@@ -140,6 +143,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 
 def validate(config: TrainConfig, world_size: int) -> None:
     """Raises ValueError naming the option for every setting that cannot work."""
+    _check_finite(config)
     positive = {"--steps": config.steps, "--global-batch": config.global_batch, "--block-size": config.block_size,
                 "--lr": config.lr, "--loss-scale": config.loss_scale}
     for name, value in positive.items():
@@ -150,6 +154,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
                         "--equal-steps": config.equal_steps, "--checkpoint-every": config.checkpoint_every}.items():
         if value < 0:
             raise ValueError(f"{name} must not be negative; got {value}")
+    _check_model(config)
     if config.vocab_size is not None and (not isinstance(config.vocab_size, int) or config.vocab_size < 1):
         raise ValueError(f"--vocab-size must be a positive integer; got {config.vocab_size!r}")
     if config.global_batch < world_size:
@@ -166,6 +171,65 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.wire == "bfloat16" and config_device_is_cpu(config):
         raise ValueError("--wire bfloat16 needs NCCL (GPUs): the Gloo backend of CPU runs cannot all-reduce "
                          "bfloat16; use --wire float16 or float32")
+
+
+def _option(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _check_finite(config: TrainConfig) -> None:
+    """NaN passes every `value < 0` test and inf every `value > 0` one, and either makes
+    the weights NaN or a setting silently off: refuse them first, by name."""
+    for name, value in asdict(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{_option(name)} must be a finite number; got {value}")
+
+
+def _check_model(config: TrainConfig) -> None:
+    """The model's shape, checked here: the GPT built in every rank would refuse it
+    only after the processes have started."""
+    for name in ("n_layer", "n_head", "n_embd"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{_option(name)} must be at least 1; got {getattr(config, name)}")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"--n-embd {config.n_embd} must be a multiple of --n-head {config.n_head}: each head "
+                         f"gets n_embd / n_head channels")
+    if not 0 <= config.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1); got {config.dropout}")
+    if config.rebalance_threshold < 0:
+        raise ValueError(f"--rebalance-threshold must not be negative (0.01: a 1% faster predicted step); got "
+                         f"{config.rebalance_threshold}")
+
+
+def check_data(config: TrainConfig) -> None:
+    """Opens --data as every rank will (a memory map: cheap) and checks that it holds
+    a global batch of windows and no token id outside --vocab-size, so that bad data is
+    one message before any process starts."""
+    windows, description = load_windows(config.data, config.block_size, config.vocab_size)
+    if len(windows) < config.global_batch:
+        raise ValueError(f"--data ({description}) holds {len(windows)} windows of --block-size {config.block_size} "
+                         f"tokens, fewer than --global-batch {config.global_batch}; use more data, a smaller "
+                         f"--block-size or a smaller --global-batch")
+    tokens = windows.tokens
+    # Only data small enough to scan: a larger file is checked window by window as it trains.
+    if config.vocab_size is not None and tokens.size <= VOCAB_SCAN_MAX_TOKENS:
+        largest = int(tokens.max())
+        if largest >= config.vocab_size:
+            raise ValueError(f"--vocab-size {config.vocab_size} is too small for --data ({description}): it "
+                             f"holds token id {largest}; use --vocab-size {largest + 1} or more")
+
+
+def check_out(out: str) -> None:
+    """--out must be a directory this process can create or write into. Checked with
+    os.access on the nearest existing directory, so that nothing is left behind."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable")
 
 
 def config_device_is_cpu(config: TrainConfig) -> bool:

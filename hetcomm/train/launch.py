@@ -10,8 +10,8 @@ import torch
 
 from hetcomm.loop.launch import free_port, launch, local_world, under_torchrun
 from hetcomm.train.checkpoint import CheckpointError, load_checked
-from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, config_device_is_cpu, from_args, parser,
-                                  validate)
+from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
+                                  from_args, parser, validate)
 from hetcomm.train.simulate import speeds_for_this_machine
 
 __all__ = ["main", "free_port"]
@@ -73,9 +73,11 @@ def main(argv=None) -> int:
         if world < 1:
             raise ValueError(f"--nproc must be at least 1; got {world}")
         validate(config, world)
+        check_out(config.out)
+        check_data(config)
         if config.resume:
             _check_resume(config, world)
-    except (ValueError, FileNotFoundError, CheckpointError) as error:
+    except (ValueError, OSError, CheckpointError) as error:
         parser().exit(2, f"hetcomm train: error: {error}\n")
     launch(_train, config, nproc=world, use_cuda=use_cuda)
     if not under_torchrun():

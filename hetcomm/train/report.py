@@ -2,18 +2,24 @@
 the global batch and its throughput over time (where the balancer moved work)."""
 
 import argparse
+import os
 from pathlib import Path
 
 from hetcomm.train.runlog import read_steps
 
+PLOTTED = ("step", "loss", "micro_batch", "samples_per_second")
+
 
 def plot_run(run_dir: Path) -> list[Path]:
+    steps = read_steps(run_dir, required=PLOTTED)
+    # Checked before drawing, so that a read-only run gets one message and no half of the plots.
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"{run_dir}: cannot write the plots there (not writable)")
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    steps = read_steps(run_dir)
     simulated = " (simulated cluster)" if steps[0].get("simulated") else ""
     x = [s["step"] for s in steps]
     ranks = len(steps[0]["micro_batch"])
@@ -49,6 +55,6 @@ def main(argv=None) -> int:
     try:
         for path in plot_run(args.run_dir):
             print(path)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"hetcomm report: {error}\n")
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"hetcomm report: error: {error}\n")
     return 0

@@ -24,11 +24,27 @@ class RunLog:
         self._steps.close()
 
 
-def read_steps(run_dir: Path) -> list[dict]:
+def read_steps(run_dir: Path, required: tuple[str, ...] = ()) -> list[dict]:
+    """The step records of a run. ValueError naming the file and the line when one is
+    not a JSON object or lacks a key of `required`."""
     path = Path(run_dir) / "steps.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no steps.jsonl here; is it a hetcomm run directory?")
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [_step_record(path, number, line, required)
+             for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if not steps:
         raise ValueError(f"{path}: holds no steps")
     return steps
+
+
+def _step_record(path: Path, number: int, line: str, required: tuple[str, ...]) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}, line {number}: not JSON ({error})") from None
+    if not isinstance(record, dict):   # the file's content is wrong, not an argument's type: ValueError
+        raise ValueError(f"{path}, line {number}: expected a JSON object (a step's record)")  # noqa: TRY004
+    missing = [key for key in required if key not in record]
+    if missing:
+        raise ValueError(f"{path}, line {number}: the step's record has no {', '.join(missing)}")
+    return record

@@ -24,6 +24,9 @@ from hetcomm.train.per_rank import parse_per_rank
 
 # The share of the machine's cores a simulated cluster may keep busy at most.
 CORE_SHARE = 0.75
+# The largest speed factor taken: one above 1 already runs at the machine's real speed,
+# so a cap loses nothing and keeps inf (and NaN) out.
+MAX_FACTOR = 1000
 
 
 def fit_to_cores(relative: Sequence[float], cores: int, share: float = CORE_SHARE) -> list[float]:
@@ -50,8 +53,9 @@ class Slowdown:
 def parse_speeds(text: str, world_size: int) -> list[float]:
     """"1,1,0.5,0.25" -> one positive speed factor per rank."""
     speeds = parse_per_rank("--speeds", text, world_size, float, "1,1,0.5,0.25")
-    if not all(0 < s <= 1000 for s in speeds):
-        raise ValueError(f"--speeds {text!r}: every factor must be positive (1 = the machine's real speed)")
+    if not all(0 < s <= MAX_FACTOR for s in speeds):   # also false for NaN
+        raise ValueError(f"--speeds {text!r}: every factor must be a number in (0, {MAX_FACTOR}] (1 = the "
+                         f"machine's real speed)")
     return speeds
 
 
@@ -66,8 +70,8 @@ def parse_slowdown(text: str, world_size: int) -> Slowdown:
         raise ValueError(f"--slowdown {text!r}: expected RANK:STEP:FACTOR such as 2:30:0.5") from None
     if not 0 <= slowdown.rank < world_size:
         raise ValueError(f"--slowdown {text!r}: rank {slowdown.rank} does not exist ({world_size} ranks)")
-    if slowdown.step < 0 or not 0 < slowdown.factor <= 1000:
-        raise ValueError(f"--slowdown {text!r}: the step must be >= 0 and the factor positive")
+    if slowdown.step < 0 or not 0 < slowdown.factor <= MAX_FACTOR:   # also false for NaN
+        raise ValueError(f"--slowdown {text!r}: the step must be >= 0 and the factor a number in (0, {MAX_FACTOR}]")
     return slowdown
 
 
