@@ -13,6 +13,7 @@ import torch.distributed as dist
 import hetcomm
 from hetcomm.plan import cli as plan_cli
 from hetcomm.train import launch, report
+from hetcomm.train.launch import speedup_words
 
 TEXT = ("def greet(name):\n    return 'hello ' + name\n\nclass Point:\n    x = 0\n    y = 0\n" * 60).encode()
 SMALL_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16"]
@@ -174,3 +175,9 @@ def test_reducer_refuses_a_bucket_cap_that_is_no_size(monkeypatch, cap):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match=rf"bucket_cap_mb must be a finite positive number; got {cap}"):
         hetcomm.WeightedReducer([torch.nn.Parameter(torch.zeros(3))], bucket_cap_mb=cap)
+
+
+def test_summary_says_slower_when_balancing_lost():
+    assert speedup_words(1.5) == "1.50x faster"
+    assert speedup_words(1.0) == "1.00x faster"
+    assert speedup_words(0.41) == "2.44x slower"

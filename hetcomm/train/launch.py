@@ -32,6 +32,11 @@ def _check_resume(config: TrainConfig, world: int) -> None:
     load_checked(config.resume, run_description(config, world, description, len(data)))
 
 
+def speedup_words(ratio: float) -> str:
+    """A speed-up as people say it: 0.5 is "2.00x slower", not "0.50x faster"."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+
+
 def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
@@ -45,7 +50,7 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
     baseline = phases.get("equal split", {}).get("median_step_s")
     for name in ("balanced", "static split"):
         if name in phases and phases[name]["steps"] and phases.get("equal split", {}).get("steps"):
-            print(f"  {name} vs equal split: {baseline / phases[name]['median_step_s']:.2f}x faster per step "
+            print(f"  {name} vs equal split: {speedup_words(baseline / phases[name]['median_step_s'])} per step "
                   f"(same global batch, same gradient)")
     print(f"  ideal bound from the measured speeds: {summary['ideal_step_s']:.3f} s of compute per step; "
           f"final split {'/'.join(map(str, summary['final_split']))}")
