@@ -1,5 +1,6 @@
 """Bad input to `hetcomm train`, `report` and `plan --profile` stops with one line
-(exit 2, no traceback, nothing written) before any process starts."""
+(exit 2, no traceback, nothing written) before any process starts; a failure inside a
+rank reaches the user as one line naming the rank, its traceback only with --debug."""
 
 import json
 import os
@@ -181,3 +182,32 @@ def test_summary_says_slower_when_balancing_lost():
     assert speedup_words(1.5) == "1.50x faster"
     assert speedup_words(1.0) == "1.00x faster"
     assert speedup_words(0.41) == "2.44x slower"
+
+
+def fails_on_rank_1(rank, world, device, config):
+    """A failure only a rank can meet (such as a token id beyond the vocabulary in a
+    window of a file too large to scan at start-up)."""
+    if rank == 1:
+        raise ValueError("window 3 of the data holds token id 300, but --vocab-size is 256\nsecond line")
+    dist.barrier()
+
+
+def test_a_rank_s_failure_is_one_line_naming_the_rank(files, monkeypatch, capfd):
+    """The one test here that starts processes: 2 CPU ranks, once without and once with --debug."""
+    real_launch = launch.launch
+    monkeypatch.setattr(launch, "launch", lambda _train, *args, **kwargs: real_launch(fails_on_rank_1, *args,
+                                                                                      **kwargs))
+    arguments = ["--nproc", "2", "--global-batch", "8", *SMALL_MODEL, "--data", str(files / "corpus.txt"),
+                 "--out", str(files / "run"), "--no-progress"]
+    for debug in (False, True):
+        with pytest.raises(SystemExit) as stop:
+            launch.main(arguments + ["--debug"] * debug)
+        err = capfd.readouterr().err
+        assert stop.value.code == 1
+        line = "hetcomm train: error: rank 1: ValueError: window 3 of the data holds token id 300, but " \
+               "--vocab-size is 256"
+        if debug:
+            assert "Traceback (most recent call last)" in err and "in fails_on_rank_1" in err
+            assert err.endswith(line + "\n")
+        else:
+            assert err == line + " (--debug prints its traceback)\n"

@@ -1,10 +1,13 @@
 """Starting the ranks of a training function: joining a torchrun job, or starting one
 process per local GPU, or a cluster of CPU workers on a machine without GPUs."""
 
+import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -14,6 +17,21 @@ import torch.multiprocessing as mp
 from hetcomm.loop.host_memory import keep_freed_memory
 
 DEFAULT_CPU_RANKS = 4
+
+
+class RankFailed(RuntimeError):
+    """A rank of the job failed: `rank` and the `cause` in one line, such as
+    "ValueError: ..." or "killed by signal SIGKILL"."""
+
+    def __init__(self, rank: int, cause: str):
+        super().__init__(f"rank {rank}: {cause}")
+        self.rank, self.cause = rank, cause
+
+
+def _one_line(error: BaseException) -> str:
+    """The exception as "Type: first line of its message"."""
+    lines = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")
 
 
 def free_port() -> int:
@@ -37,7 +55,26 @@ def local_world(use_cuda: bool, nproc: int | None = None) -> int:
 
 
 def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
-               timeout: timedelta) -> None:
+               timeout: timedelta, debug: bool, failures=None) -> None:
+    """Runs one rank. A failure becomes a RankFailed (under torchrun), or, in a worker
+    this process spawned, a one-line cause put on `failures` for the parent and exit
+    code 1: torch's own spawn would hand the parent the whole traceback instead.
+    With `debug`, the traceback is printed to stderr as well."""
+    try:
+        _run_rank(rank, world, main, args, use_cuda, init_method, timeout)
+    except Exception as error:
+        if debug:
+            traceback.print_exc()
+        if failures is None:
+            raise RankFailed(rank, _one_line(error)) from error
+        failures.put((rank, _one_line(error)))
+        sys.stderr.flush()
+        # As after a success: leave without the process-group destructors (see _run_rank).
+        os._exit(1)
+
+
+def _run_rank(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
+              timeout: timedelta) -> None:
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -63,18 +100,54 @@ def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: boo
 
 
 def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | None = None,
-           timeout: timedelta = timedelta(minutes=10)) -> None:
+           timeout: timedelta = timedelta(minutes=10), debug: bool = False) -> None:
     """Runs main(rank, world, device, *args) on every rank of the job: this process's
     rank when torchrun started it (env://), else `nproc` local processes (default one per
     GPU, or DEFAULT_CPU_RANKS CPU workers on Gloo) that this call starts and waits for.
-    `main` and `args` must be picklable (a module-level function) for the local processes."""
+    `main` and `args` must be picklable (a module-level function) for the local processes.
+
+    Raises RankFailed naming the first rank that failed and its exception in one line
+    (the other local processes are stopped); `debug` also prints that rank's traceback."""
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     world = local_world(use_cuda, nproc)
     if world < 1:
         raise ValueError(f"nproc must be at least 1; got {world}")
     if under_torchrun():
         rank = int(os.environ["LOCAL_RANK"]) if use_cuda else int(os.environ["RANK"])
-        _rank_main(rank, world, main, args, use_cuda, None, timeout)
+        _rank_main(rank, world, main, args, use_cuda, None, timeout, debug)
         return
-    mp.start_processes(_rank_main, args=(world, main, args, use_cuda, f"tcp://127.0.0.1:{free_port()}", timeout),
-                       nprocs=world, join=True, start_method="spawn")
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        with _quiet_spawn_log():
+            mp.start_processes(_rank_main, args=(world, main, args, use_cuda, f"tcp://127.0.0.1:{free_port()}",
+                                                 timeout, debug, failures),
+                               nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessExitedException as exited:
+        raise _first_failure(failures, exited) from None
+    finally:
+        failures.close()
+
+
+@contextmanager
+def _quiet_spawn_log() -> Iterator[None]:
+    """Without torch's warning for each rank it stops after one failed ("Terminating
+    process ... via signal SIGTERM"): stopping them is expected, and the failure that
+    caused it is what launch reports."""
+    logger = logging.getLogger("torch.multiprocessing.spawn")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_failure(failures, exited: mp.ProcessExitedException) -> RankFailed:
+    """The failure that came first: a rank whose peer failed fails too (its collectives
+    lose their connection), after it, so the first one queued is the cause. A rank
+    that queued nothing was killed (a signal, the OOM killer) or exited on its own."""
+    if not failures.empty():
+        return RankFailed(*failures.get())
+    if exited.signal_name:
+        return RankFailed(exited.error_index, f"killed by signal {exited.signal_name}")
+    return RankFailed(exited.error_index, f"exited with code {exited.exit_code}")

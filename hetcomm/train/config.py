@@ -134,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
                                                                                           "(0: only at the end)")
     files.add_argument("--seed", type=int, default=d.seed)
     files.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    files.add_argument("--debug", action="store_true",
+                       help="when a rank fails, print its traceback too, not only the one-line error")
     return p
 
 

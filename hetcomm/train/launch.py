@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hetcomm.loop.launch import free_port, launch, local_world, under_torchrun
+from hetcomm.loop.launch import RankFailed, free_port, launch, local_world, under_torchrun
 from hetcomm.train.checkpoint import CheckpointError, load_checked
 from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
                                   from_args, parser, validate)
@@ -84,7 +84,11 @@ def main(argv=None) -> int:
             _check_resume(config, world)
     except (ValueError, OSError, CheckpointError) as error:
         parser().exit(2, f"hetcomm train: error: {error}\n")
-    launch(_train, config, nproc=world, use_cuda=use_cuda)
+    try:
+        launch(_train, config, nproc=world, use_cuda=use_cuda, debug=args.debug)
+    except RankFailed as failure:
+        hint = "" if args.debug else " (--debug prints its traceback)"
+        parser().exit(1, f"hetcomm train: error: {failure}{hint}\n")
     if not under_torchrun():
         _print_summary(Path(config.out), config, world)
     return 0
