@@ -218,10 +218,10 @@ def interrupted_then_resumed(rank, world, config):
     trainer.run(until=3)
     trainer.save_checkpoint()
     if rank == 0:
-        shutil.copy(Path(config.out) / "checkpoint.pt", Path(config.out) / "checkpoint-step3.pt")
+        shutil.copy(trainer.checkpoint_path, Path(config.out) / "step3.pt")
     dist.barrier()
     trainer.run()
-    resumed = Trainer(replace(config, resume=str(Path(config.out) / "checkpoint-step3.pt"),
+    resumed = Trainer(replace(config, resume=str(Path(config.out) / "step3.pt"),
                               out=str(Path(config.out).with_name("resumed"))), rank, world, torch.device("cpu"))
     assert resumed.step == 3
     resumed.run()
@@ -281,10 +281,10 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, capsys):
         launch.main([*common, "--resume", str(corrupt)])
     assert "not a readable hetcomm checkpoint" in capsys.readouterr().err
 
-    from hetcomm.train.checkpoint import save_atomic
-    save_atomic({"run": {"world_size": 4}}, tmp_path / "other.pt")
+    from hetcomm.loop import checkpoint
+    other = checkpoint.save(tmp_path / "other", 2, {"run": {"world_size": 4}})
     with pytest.raises(SystemExit):
-        launch.main([*common, "--resume", str(tmp_path / "other.pt")])
+        launch.main([*common, "--resume", str(other)])
     err = capsys.readouterr().err
     assert "belongs to another run configuration" in err and "world_size: checkpoint has 4, this run 2" in err
     assert (out / "steps.jsonl").read_text() == "kept\n"  # nothing overwritten

@@ -122,20 +122,30 @@ class BalancedLoop:
         self.first_timing_seconds = 0.0     # how long the first step's timed parts took (waits included)
         self.previous_times = (0.0, 0.0)      # this rank's reduce and update seconds of the last step
         self.update_started: float | None = None
+        self.stop_requested = False           # this rank was asked to stop (a signal handler may set it)
+        self.stop_agreed = False              # some rank was: every rank stops after the same step
 
     # --- the user's side -------------------------------------------------------------
 
     def steps(self, total: int) -> Iterator[LoopStep]:
         """The steps from the current one (0, or where a checkpoint left off) up to
-        `total`; iterate each step for its micro-batches, then call its reduce()."""
+        `total`; iterate each step for its micro-batches, then call its reduce(). Ends
+        early, on every rank after the same step, once a rank has called request_stop()."""
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"BalancedLoop.steps: total = {total!r}: expected a non-negative number of steps")
-        while self.step < total:
+        while self.step < total and not self.stop_agreed:
             step = LoopStep(self)
             yield step
             if not step.reduced:
                 raise RuntimeError(f"BalancedLoop: step {step.number} ended without step.reduce(); call it once "
                                    f"after the step's micro-batches")
+
+    def request_stop(self) -> None:
+        """Asks every rank to stop after the step under way (or the next one): the
+        request travels with that step's reduction, so every rank's steps() ends after
+        the same step and stop_agreed is set. Safe to call from a signal handler (a
+        preempted job's SIGTERM): it only sets a flag."""
+        self.stop_requested = True
 
     def autocast(self):
         """The autocast context of this rank's precision (nothing for fp32)."""
@@ -222,6 +232,7 @@ class BalancedLoop:
         rank). When a timed first step gave its split, that step's own times are left
         out: they add mostly one-time costs (allocator growth, thread pools, autotuning;
         10% on CPU), which would inflate the noise estimate that holds the next change back."""
+        self.stop_agreed = self.stop_agreed or any(row[GATHERED.index("stop")] > 0 for row in everyone)
         done = [round(row[GATHERED.index("samples")]) for row in everyone]
         if sum(done) != step_samples:
             raise ValueError(f"BalancedLoop: the ranks did {done} samples, {sum(done)} in all, of a step of "

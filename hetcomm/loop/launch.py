@@ -73,6 +73,22 @@ def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: boo
         os._exit(1)
 
 
+def _join_torchrun_job(backend: str, timeout: timedelta) -> None:
+    """init_process_group for a torchrun worker, its keys in the job's store under a
+    prefix of this restart's own: torchrun keeps its store across the restarts of a job,
+    and a restarted generation that read the process groups' addresses of the killed one
+    (the same keys: the same group names) failed to connect ("Gloo connectFullMesh ...
+    Connection refused")."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # With the agent's store (torchrun's default) the agent serves it; else rank 0 does.
+    serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" and rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=serves,
+                          timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"hetcomm/restart-{restart}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
 def _run_rank(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
               timeout: timedelta) -> None:
     if use_cuda:
@@ -85,7 +101,10 @@ def _run_rank(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool
         keep_freed_memory()
     spawned = init_method is not None
     kwargs = {"init_method": init_method, "rank": rank, "world_size": world} if spawned else {}
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **kwargs)
+    if spawned:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **kwargs)
+    else:
+        _join_torchrun_job("nccl" if use_cuda else "gloo", timeout)
     main(dist.get_rank(), dist.get_world_size(), device, *args)
     dist.barrier()
     if spawned:

@@ -26,8 +26,9 @@ from hetcomm.loop.batches import micro_batches
 # What each rank sends along with every step's agreement on the weights, in this order:
 # this step's compute seconds, summed loss, loss items (count) and samples done, and the
 # previous step's reduce seconds (the reduction, including the wait for slower ranks)
-# and update seconds (from reduce() returning to the next step: the optimizer step).
-GATHERED = ("compute", "loss_sum", "count", "samples", "previous_reduce", "previous_update")
+# and update seconds (from reduce() returning to the next step: the optimizer step),
+# and whether the rank was asked to stop (BalancedLoop.request_stop).
+GATHERED = ("compute", "loss_sum", "count", "samples", "previous_reduce", "previous_update", "stop")
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ class LoopStep:
         loop = self.loop
         start = time.perf_counter()
         count = float(self.count)
-        gather = [self.compute, float(self.loss_sum), count, self.samples, *loop.previous_times]
+        gather = [self.compute, float(self.loss_sum), count, self.samples, *loop.previous_times,
+                  float(loop.stop_requested)]
 
         def choose_next_split(everyone):
             loop.choose_next_split(everyone, self.step_samples, self.timed_first)

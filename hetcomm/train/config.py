@@ -55,8 +55,11 @@ class TrainConfig:
     data: str | None = None
     vocab_size: int | None = None   # None: 256 for byte data, a .bin file's largest token + 1 (hetcomm.train.data)
     out: str = "runs/latest"
-    resume: str | None = None
+    resume: str | None = None     # a checkpoint; without one, the newest valid one in --out is resumed
+    fresh: bool = False           # start over in --out, removing its checkpoints
     checkpoint_every: int = 0
+    keep: int = 3                 # checkpoints kept in --out
+    timeout: float = 600.0        # seconds a collective may wait for a rank before the run stops
     seed: int = 0
     progress: bool = True
 
@@ -129,7 +132,14 @@ def parser() -> argparse.ArgumentParser:
                             "files); default: 256 for a text file, the largest token id + 1 of a .bin file of up to "
                             f"{VOCAB_SCAN_MAX_TOKENS // 2**20} Mi tokens (a larger one needs --vocab-size)")
     files.add_argument("--out", default=d.out, help="run directory: log, checkpoints, plots (default %(default)s)")
-    files.add_argument("--resume", help="checkpoint to continue from")
+    files.add_argument("--resume", help="checkpoint to continue from (default: the newest valid checkpoint of "
+                                        "the same run in --out, when the run there is unfinished: a restarted job "
+                                        "goes on where it stopped)")
+    files.add_argument("--fresh", action="store_true", help="start over in --out: remove its checkpoints first")
+    files.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept in --out (default %(default)s)")
+    files.add_argument("--timeout", type=float, default=d.timeout,
+                       help="seconds to wait for a stalled or lost rank in any collective before stopping every "
+                            "rank with that message (default %(default)s)")
     files.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints "
                                                                                           "(0: only at the end)")
     files.add_argument("--seed", type=int, default=d.seed)
@@ -147,7 +157,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
     """Raises ValueError naming the option for every setting that cannot work."""
     _check_finite(config)
     positive = {"--steps": config.steps, "--global-batch": config.global_batch, "--block-size": config.block_size,
-                "--lr": config.lr, "--loss-scale": config.loss_scale}
+                "--lr": config.lr, "--loss-scale": config.loss_scale, "--keep": config.keep,
+                "--timeout": config.timeout}
     for name, value in positive.items():
         if not value > 0:
             raise ValueError(f"{name} must be positive; got {value}")

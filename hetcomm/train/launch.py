@@ -3,13 +3,15 @@
 a simulated heterogeneous cluster of CPU workers on a machine without GPUs."""
 
 import json
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from hetcomm.loop.launch import RankFailed, free_port, launch, local_world, under_torchrun
-from hetcomm.train.checkpoint import CheckpointError, load_checked
+from hetcomm.loop.checkpoint import CheckpointError, checkpoints, load, newest_valid
 from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
                                   from_args, parser, validate)
 from hetcomm.train.simulate import speeds_for_this_machine
@@ -24,12 +26,34 @@ def _train(rank: int, world: int, device: torch.device, config: TrainConfig) -> 
 
 
 def _check_resume(config: TrainConfig, world: int) -> None:
-    """Reads the checkpoint before any worker starts, so a corrupt or mismatched one is
-    one message and nothing is overwritten."""
-    from hetcomm.train.trainer import load_data, run_description
+    """Chooses what the ranks start from, before any of them starts, so that a corrupt
+    or mismatched checkpoint is one message and nothing in --out is touched: --resume's
+    checkpoint, verified; or else the newest valid checkpoint of this same run in --out
+    when that run is unfinished (a job restarted by torchrun, or the same command run
+    again, goes on where it stopped); a finished run there is started over; checkpoints
+    of another run, or none valid, stop with their reasons unless --fresh."""
+    from hetcomm.train.trainer import check_resumable, load_data, run_description
 
     data, description = load_data(config)
-    load_checked(config.resume, run_description(config, world, description, len(data)))
+    expected = run_description(config, world, description, len(data))
+    if config.resume:
+        check_resumable(load(config.resume, expected), config, data.vocab_size)
+        return
+    if config.fresh or not checkpoints(config.out):
+        return
+    state, path, passed = newest_valid(config.out, expected)
+    if state is None:
+        raise CheckpointError(f"--out {config.out} holds checkpoints of no resumable run of these settings ("
+                              + "; ".join(passed) + "); pass --fresh to start over there, or another --out")
+    # Every torchrun worker decides for itself, alike; one of them says so.
+    say = os.environ.get("RANK", "0") == "0"
+    for reason in passed if say else ():
+        print(f"hetcomm train: passing over {reason}", file=sys.stderr)
+    if state["step"] < config.steps:
+        check_resumable(state, config, data.vocab_size)
+        if say:
+            print(f"hetcomm train: resuming from {path} (step {state['step']} of {config.steps})", file=sys.stderr)
+        config.resume = str(path)
 
 
 def speedup_words(ratio: float) -> str:
@@ -61,7 +85,7 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
         print(f"  a rank far behind handed {moved} window{'s' if moved != 1 else ''} to the others within "
               f"{len(handoffs)} step{'s' if len(handoffs) != 1 else ''} (step {listed})")
     print(f"  loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}; log {out / 'steps.jsonl'}; "
-          f"checkpoint {out / 'checkpoint.pt'}; plots: hetcomm report {out}")
+          f"checkpoints {out}/checkpoint-*.pt; plots: hetcomm report {out}")
 
 
 def main(argv=None) -> int:
@@ -80,17 +104,20 @@ def main(argv=None) -> int:
         validate(config, world)
         check_out(config.out)
         check_data(config)
-        if config.resume:
-            _check_resume(config, world)
+        _check_resume(config, world)
     except (ValueError, OSError, CheckpointError) as error:
         parser().exit(2, f"hetcomm train: error: {error}\n")
     try:
-        launch(_train, config, nproc=world, use_cuda=use_cuda, debug=args.debug)
+        launch(_train, config, nproc=world, use_cuda=use_cuda, debug=args.debug,
+               timeout=timedelta(seconds=config.timeout))
     except RankFailed as failure:
         hint = "" if args.debug else " (--debug prints its traceback)"
         parser().exit(1, f"hetcomm train: error: {failure}{hint}\n")
     if not under_torchrun():
-        _print_summary(Path(config.out), config, world)
+        if (Path(config.out) / "summary.json").is_file():
+            _print_summary(Path(config.out), config, world)
+        else:   # the ranks agreed to stop early (SIGTERM) and checkpointed
+            print(f"hetcomm train: stopped early; the same command resumes from the last checkpoint in {config.out}")
     return 0
 
 

@@ -2,16 +2,27 @@
 configuration (run.json) and its summary (summary.json). Only rank 0 writes."""
 
 import json
+import os
 from pathlib import Path
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, config: dict, resume: bool):
+    """resume_step: the step a resumed run continues from; the steps the run had logged
+    from there on (after the checkpoint it resumes, before it was stopped) are dropped,
+    so that every step is logged once. None: a new run, which starts the log afresh."""
+
+    def __init__(self, run_dir: Path, config: dict, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "run.json").write_text(json.dumps(config, indent=1) + "\n")
-        # A resumed run appends to the steps it continues; a new run starts the file afresh.
-        self._steps = open(self.run_dir / "steps.jsonl", "a" if resume else "w")
+        (self.run_dir / "summary.json").unlink(missing_ok=True)   # written again when this run ends
+        path = self.run_dir / "steps.jsonl"
+        if resume_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if _step_before(line, resume_step)]
+            temporary = path.with_name(".steps.jsonl.tmp")
+            temporary.write_text("".join(line + "\n" for line in kept))
+            os.replace(temporary, path)
+        self._steps = open(path, "a" if resume_step is not None else "w")
 
     def step(self, record: dict) -> None:
         self._steps.write(json.dumps(record) + "\n")
@@ -22,6 +33,16 @@ class RunLog:
 
     def close(self) -> None:
         self._steps.close()
+
+
+def _step_before(line: str, step: int) -> bool:
+    """Whether a log line is a step record of a step before `step` (a line cut short by
+    a kill is no record)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step
 
 
 def read_steps(run_dir: Path, required: tuple[str, ...] = ()) -> list[dict]:

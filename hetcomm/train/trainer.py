@@ -20,10 +20,12 @@ Per optimizer step, on every rank:
 """
 
 import math
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from hetcomm import ops
 from hetcomm.balance import equal_split
 from hetcomm.loop import BalancedLoop, StepResult, agree_precision
-from hetcomm.train.checkpoint import load_checked, save_atomic
+from hetcomm.loop import checkpoint
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.model import GPT, GPTConfig
@@ -67,6 +69,31 @@ def run_description(config: TrainConfig, world: int, data_description: str, data
             "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps}
 
 
+def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
+                     n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
+
+
+def check_resumable(state: dict, config: TrainConfig, vocab_size: int) -> None:
+    """Raises CheckpointError unless a verified checkpoint holds what this run resumes:
+    the model's tensors by name and shape (checked on a model without storage), the
+    optimizer's state, the loop's state, a step within the run."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in GPT(model_config(config, vocab_size)).state_dict().items()}
+    held = {name: tuple(t.shape) for name, t in state.get("model", {}).items()} \
+        if isinstance(state.get("model"), dict) else {}
+    for name in sorted(set(shapes) | set(held)):
+        if shapes.get(name) != held.get(name):
+            raise checkpoint.CheckpointError(f"the checkpoint's model tensor {name} is {held.get(name)}, this run's "
+                                             f"{shapes.get(name)}")
+    for part in ("optimizer", "loop", "phases"):
+        if part not in state:
+            raise checkpoint.CheckpointError(f"the checkpoint holds no {part} state")
+    if state["step"] > config.steps or state["loop"].get("step") != state["step"]:
+        raise checkpoint.CheckpointError(f"the checkpoint's step {state['step']} is not one of this run's "
+                                         f"{config.steps} (its loop is at {state['loop'].get('step')!r})")
+
+
 def load_data(config: TrainConfig) -> tuple[TokenWindows, str]:
     return load_windows(config.data, config.block_size, config.vocab_size)
 
@@ -88,9 +115,7 @@ class Trainer:
         self.config, self.rank, self.world, self.device = config, rank, world, device
         torch.manual_seed(config.seed)
         self.data, data_description = load_data(config)
-        self.model = GPT(GPTConfig(vocab_size=self.data.vocab_size, block_size=config.block_size,
-                                   n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
-                                   dropout=config.dropout)).to(device)
+        self.model = GPT(model_config(config, self.data.vocab_size)).to(device)
         self.precision = agree_precision(device, config.precision)
         # Computing in 16-bit with --weights compute: the model holds 16-bit weights (no
         # per-forward casts, half the weight reads) and the optimizer fp32 masters, which
@@ -115,7 +140,7 @@ class Trainer:
             memory_caps=parse_caps(config.memory_caps, world) if config.memory_caps else None,
             probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
             loss_scale=config.loss_scale, items_per_sample=config.block_size, master_params=self.masters,
-            seed=config.seed, simulated_speed=speed)
+            seed=config.seed, simulated_speed=speed, timeout=timedelta(seconds=config.timeout))
         self.reducer = self.loop.reducer
         self.caps = self.loop.caps
         self.speed = speed
@@ -125,10 +150,18 @@ class Trainer:
         if config.resume:
             self._resume(config.resume)
         ranks = self._describe_ranks()
-        self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
-                                       "vocab_size": self.data.vocab_size, "ranks": ranks,
-                                       "memory_caps": self.caps, "simulated": self.simulated},
-                          resume=bool(config.resume)) if rank == 0 else None
+        self.log = None
+        if rank == 0:
+            # A kill during a checkpoint's write leaves its temporary file; a run that does not
+            # resume here starts over (the launcher stopped it unless that is what was asked).
+            checkpoint.remove_temporaries(config.out)
+            if not config.resume:
+                for old in checkpoint.checkpoints(config.out):
+                    old.unlink()
+            self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
+                                           "vocab_size": self.data.vocab_size, "ranks": ranks,
+                                           "memory_caps": self.caps, "simulated": self.simulated},
+                              resume_step=self.step if config.resume else None)
 
     @property
     def step(self) -> int:
@@ -208,6 +241,10 @@ class Trainer:
                             disable=None)
         run_start = time.perf_counter()
         step_start = time.perf_counter()
+        # Preemption (torchrun and schedulers send SIGTERM): the ranks agree on a step to
+        # stop after, checkpoint there and return; the same command resumes.
+        previous = signal.signal(signal.SIGTERM, lambda *_: self.loop.request_stop()) \
+            if threading.current_thread() is threading.main_thread() else None
         for step in self.loop.steps(last):
             result = self.train_step(step)
             if not self.phases or self.phases[-1].name != result.regime:
@@ -230,8 +267,13 @@ class Trainer:
             if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < config.steps:
                 self.save_checkpoint()
                 step_start = time.perf_counter()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if progress:
             progress.close()
+        if self.loop.stop_agreed and self.step < config.steps:
+            self.save_checkpoint()
+            return None
         if self.step < config.steps:
             self._complete_log()   # save_checkpoint does it otherwise
             return None
@@ -295,18 +337,21 @@ class Trainer:
         self._complete_log()
         loop_state = self.loop.state_dict()
         if self.rank == 0:
-            save_atomic({"run": self.description, "step": self.step, "model": self._model_state(),
-                         "optimizer": self.optimizer.state_dict(), "loop": loop_state,
-                         "phases": [[p.name, p.step_seconds] for p in self.phases]},
-                        self.checkpoint_path)
+            checkpoint.save(self.config.out, self.step,
+                            {"run": self.description, "model": self._model_state(),
+                             "optimizer": self.optimizer.state_dict(), "loop": loop_state,
+                             "phases": [[p.name, p.step_seconds] for p in self.phases]}, keep=self.config.keep)
         dist.barrier()
 
     @property
-    def checkpoint_path(self) -> Path:
-        return Path(self.config.out) / "checkpoint.pt"
+    def checkpoint_path(self) -> Path | None:
+        """The newest checkpoint in --out."""
+        found = checkpoint.checkpoints(self.config.out)
+        return found[0] if found else None
 
     def _resume(self, path: str) -> None:
-        state = load_checked(path, self.description)
+        state = checkpoint.load(path, self.description)
+        check_resumable(state, self.config, self.data.vocab_size)
         self.model.load_state_dict(state["model"])
         if self.masters is not None:
             names = [name for name, _ in self.model.named_parameters()]
