@@ -280,3 +280,18 @@ def test_a_finished_run_is_started_over_and_other_settings_are_refused(crashed_r
     config = from_args(parser().parse_args(base))
     launch._check_resume(config, 2)
     assert config.resume is None   # nothing to resume: the same command starts it over
+
+
+def test_a_log_with_a_step_twice_is_refused_by_report_and_plan(crashed_run, tmp_path, capsys):
+    from hetcomm.plan.cli import main as plan
+    from hetcomm.train.report import main as report
+
+    copy = tmp_path / "out"
+    shutil.copytree(crashed_run[0], copy)
+    lines = (copy / "steps.jsonl").read_text().splitlines()
+    (copy / "steps.jsonl").write_text("\n".join(lines + lines[-2:]) + "\n")   # appended to without cutting back
+    for command in (lambda: report([str(copy)]), lambda: plan(["--profile", str(copy)])):
+        with pytest.raises(SystemExit) as stop:
+            command()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "step 2 follows step 3; each step must be logged once" in err

@@ -47,7 +47,8 @@ def _step_before(line: str, step: int) -> bool:
 
 def read_steps(run_dir: Path, required: tuple[str, ...] = ()) -> list[dict]:
     """The step records of a run. ValueError naming the file and the line when one is
-    not a JSON object or lacks a key of `required`."""
+    not a JSON object, lacks a key of `required`, or does not follow the step before
+    (a step logged twice: a log appended to by a resumed run that did not cut it back)."""
     path = Path(run_dir) / "steps.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no steps.jsonl here; is it a hetcomm run directory?")
@@ -55,6 +56,10 @@ def read_steps(run_dir: Path, required: tuple[str, ...] = ()) -> list[dict]:
              for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if not steps:
         raise ValueError(f"{path}: holds no steps")
+    for number, (before, record) in enumerate(zip(steps, steps[1:]), 2):
+        if "step" in record and "step" in before and record["step"] != before["step"] + 1:
+            raise ValueError(f"{path}, record {number}: step {record['step']} follows step {before['step']}; "
+                             f"each step must be logged once, in order")
     return steps
 
 
