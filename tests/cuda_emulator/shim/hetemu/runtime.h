@@ -103,8 +103,9 @@ class Launch {
 
 #define HETEMU_STRING(x) #x
 #define HETEMU_LINE(x) HETEMU_STRING(x)
-#define HETCOMM_LAUNCH(kernel, grid, block, shared_bytes, stream) \
-  ::hetemu::Launch(kernel, ::hetemu::dim3(grid), ::hetemu::dim3(block), #kernel " (" __FILE__ ":" HETEMU_LINE(__LINE__) ")")
+#define HETCOMM_LAUNCH(kernel, grid, block, shared_bytes, stream)              \
+  ::hetemu::Launch(kernel, ::hetemu::dim3(grid), ::hetemu::dim3(block), \
+                   #kernel " (" __FILE__ ":" HETEMU_LINE(__LINE__) ")")
 
 #define threadIdx (static_cast<const ::hetemu::dim3&>(*::hetemu::g_thread_idx))
 #define blockIdx (static_cast<const ::hetemu::dim3&>(::hetemu::g_block_idx))
