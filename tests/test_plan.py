@@ -245,7 +245,7 @@ def test_profile_calibrates_a_gpus_efficiency(tmp_path, catalog):
 
 @pytest.mark.parametrize("damage, message", [
     (lambda p: (p / "run.json").unlink(), "no run.json there"),
-    (lambda p: (p / "steps.jsonl").write_text("{not json\n"), "is not JSON lines"),
+    (lambda p: (p / "steps.jsonl").write_text("{not json\n"), "steps.jsonl, line 1: not JSON"),
     (lambda p: (p / "run.json").write_text(json.dumps({"config": {}})), "made by an older hetcomm"),
 ])
 def test_bad_profiles(tmp_path, damage, message):
