@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
