@@ -142,17 +142,3 @@ def test_check_size():
 def test_sources_of_a_receiver_that_takes_from_two_givers():
     found = Handoff(kept=(1, 4, 0), received=(0, 0, 5), step_seconds=1.0, without_seconds=2.0)
     assert found.sources([3, 7, 0], 2) == [(0, 1, 2), (1, 4, 3)]
-
-
-@pytest.mark.parametrize("fixed, per_sample, check, samples, expected", [
-    (2.0, 1.0, 2, 8, 2.0 / 10.0),     # a pass of b samples costs 2 + b: one more costs 2 of 10
-    (0.0, 1.0, 2, 8, 0.0),            # time follows samples: a check costs nothing
-    (0.5, 0.1, 1, 5, 0.5 / 1.0),      # a small share of a heavy pass: half its time
-])
-def test_the_cost_of_a_check_is_its_extra_pass(fixed, per_sample, check, samples, expected):
-    shares = CheckShare()
-    assert shares.pass_cost(check, samples) is None   # not measured yet
-    for _ in range(3):
-        shares.add(check, fixed + per_sample * check, samples, 2 * fixed + per_sample * samples)
-    assert shares.pass_cost(check, samples) == pytest.approx(expected)
-    assert shares.pass_cost(samples, samples) is None and shares.pass_cost(0, samples) is None

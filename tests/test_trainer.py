@@ -112,9 +112,7 @@ def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(t
     # quarter of its share it hands the rest to rank 0, and the rebalancer moves the split
     # from step 8. Speeds of 0.05 stretch the tiny model's millisecond passes well above a
     # loaded machine's scheduling hiccups, which would make false stragglers.
-    # The tiny model's passes are all fixed cost: its check is allowed whatever it costs.
-    config = tiny_config(tmp_path, speeds="0.05,0.05", slowdown=["1:7:0.1"], global_batch=16, steps=9,
-                         handoff_check_cost=1e9)
+    config = tiny_config(tmp_path, speeds="0.05,0.05", slowdown=["1:7:0.1"], global_batch=16, steps=9)
     values(run_ranks(2, train, config, tmp_path=tmp_path))
     steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
     throttled = steps[7]
@@ -297,7 +295,7 @@ def test_command_line_run_and_report(tmp_path):
     (tmp_path / "corpus.txt").write_bytes(TEXT)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "hetcomm", "train", "--nproc", "2", "--speeds", "0.1,0.1",
-                          "--slowdown", "1:7:0.1", "--handoff-check-cost", "1e9",
+                          "--slowdown", "1:7:0.1",
                           "--steps", "9", "--equal-steps", "2", "--global-batch", "16", "--block-size", "16",
                           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--data", str(tmp_path / "corpus.txt"),
                           "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)

@@ -52,13 +52,6 @@ CHECK_FRACTION = 0.25
 # a giver that was not slow.
 CHECK_SHARE_MEMORY = 5
 CHECK_SHARE_LEAST = 3
-# The most a rank's check may add to its compute: the fixed cost of the extra pass
-# (launches, framework overhead) a check splits the share into. Past it the rank reports
-# at the start of its share instead, as a receiver: a small share on a model with a
-# heavy pass lost 4-9% to it (Hugging Face BERT 4x128, a rank of 5 samples), more than
-# catching a throttle within the step is worth for it (the rebalancer's level shift
-# catches one a step later).
-MAX_CHECK_COST = 0.02
 # One report's fields, in order: what the all-reduce carries per rank.
 REPORT_FIELDS = ("done", "seconds", "remaining", "rate", "pass_seconds", "giver")
 
@@ -89,21 +82,6 @@ class CheckShare:
 
     def value(self) -> float | None:
         return statistics.median(self.recent) if len(self.recent) >= CHECK_SHARE_LEAST else None
-
-    def pass_cost(self, check_samples: int, samples: int) -> float | None:
-        """What splitting `samples` into a check of `check_samples` and the rest adds to
-        their compute, as a fraction of it as one pass; None until value() is known.
-        With a pass costing a + c·b, the check takes q = (a + c·b1) / (2a + c·B) of the
-        split share (q = value() · b1 / B), so a / c = (q·B - b1) / (1 - 2q), and the
-        extra pass adds a / (a + c·B)."""
-        share = self.value()
-        if share is None or not 0 < check_samples < samples:
-            return None
-        q = share * check_samples / samples
-        if q >= 0.5:
-            return 1.0   # the check alone takes half the time: the pass is all fixed cost
-        fixed = max(0.0, (q * samples - check_samples) / (1 - 2 * q))
-        return fixed / (fixed + samples)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 from hetcomm.amp import AUTOCAST_DTYPES, PRECISIONS, DynamicLossScaler
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split,
                              probe_memory, solve_split)
-from hetcomm.balance.handoff import MAX_CHECK_COST, CheckShare
+from hetcomm.balance.handoff import CheckShare
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import gather_floats
@@ -47,10 +47,6 @@ class BalancedLoop:
             the first split; 0 times the ranks on parts of the first step instead.
         handoff: with "dynamic", let a rank far behind within a step hand its remaining
             samples to the others in that step.
-        handoff_max_check_cost: the most, as a fraction of its compute, that the handoff's
-            check (a first part of the share timed before the rest: one more pass) may add
-            to a rank's step, as measured; a rank past it reports at the start of its
-            share and can take samples on but not hand any off (default 2%).
         rebalance_threshold: adopt a new split only for this much less predicted step time.
         memory_caps: the largest micro-batch per rank (None: no cap); more becomes
             gradient accumulation. Default: probed on GPUs with `probe_forward`.
@@ -73,8 +69,7 @@ class BalancedLoop:
 
     def __init__(self, model: nn.Module, dataset, *, global_batch: int, collate_fn: Callable | None = None,
                  balance: str = "dynamic", split: Sequence[int] | None = None, equal_steps: int = 0,
-                 handoff: bool = True, handoff_max_check_cost: float = MAX_CHECK_COST,
-                 rebalance_threshold: float = 0.01,
+                 handoff: bool = True, rebalance_threshold: float = 0.01,
                  memory_caps: Sequence[int | None] | None = None, probe_forward: Callable | None = None,
                  precision: str = "auto", wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,
@@ -117,10 +112,6 @@ class BalancedLoop:
         self.time_first_step = not self.fixed_split and balance != "equal" and equal_steps == 0 \
             and len(dataset) >= global_batch
         self.handoff_enabled = handoff and balance == "dynamic" and not self.fixed_split
-        if not (isinstance(handoff_max_check_cost, (int, float)) and handoff_max_check_cost >= 0):
-            raise ValueError(f"BalancedLoop: handoff_max_check_cost = {handoff_max_check_cost!r}: expected a "
-                             f"non-negative fraction")
-        self.handoff_max_check_cost = handoff_max_check_cost
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
         # NCCL collective does not sit on the GPU waiting for the straggler's report.
         self.control_group = None

@@ -201,9 +201,6 @@ class LoopStep:
         loop, rank = self.loop, self.loop.rank
         own = len(indices)
         check = handoff.check_size(own, loop.cap())
-        cost = loop.check_share.pass_cost(check, own) if loop.cap() is None or own <= loop.cap() else None
-        if cost is not None and cost > loop.handoff_max_check_cost:
-            check = 0   # a check would cost this rank more than it is worth: report now, as a receiver
         check_seconds = yield from self._run(indices[:check])
         model = loop.rebalancer.rebalancer.model()
         planned = max(predict_rank_times(loop.sampler.drawn_shares, model, loop.caps))

@@ -44,7 +44,6 @@ class TrainConfig:
     equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
     rebalance_threshold: float = 0.01
     handoff: bool = True          # dynamic: a straggler hands samples to the others within the step
-    handoff_check_cost: float = 0.02   # the most a rank's handoff check may add to its compute
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
     # the cluster
@@ -113,10 +112,6 @@ def parser() -> argparse.ArgumentParser:
     bal.add_argument("--no-handoff", dest="handoff", action="store_false",
                      help="with --balance dynamic: do not let a rank that falls far behind within a step (a "
                           "card that starts throttling) hand its remaining windows to the others in that step")
-    bal.add_argument("--handoff-check-cost", type=float, default=d.handoff_check_cost,
-                     help="the most, as a fraction of a rank's compute, that its handoff check (one more pass) "
-                          "may add; a rank past it, as measured, reports at the start of its share and can only "
-                          "take samples on (default %(default)s)")
     bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "
                                      "overrides --balance")
     bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes gradient "
@@ -169,8 +164,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
             raise ValueError(f"{name} must be positive; got {value}")
     for name, value in {"--min-lr": config.min_lr, "--warmup-steps": config.warmup_steps,
                         "--weight-decay": config.weight_decay, "--grad-clip": config.grad_clip,
-                        "--equal-steps": config.equal_steps, "--checkpoint-every": config.checkpoint_every,
-                        "--handoff-check-cost": config.handoff_check_cost}.items():
+                        "--equal-steps": config.equal_steps, "--checkpoint-every": config.checkpoint_every}.items():
         if value < 0:
             raise ValueError(f"{name} must not be negative; got {value}")
     _check_model(config)

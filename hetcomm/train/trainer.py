@@ -136,7 +136,6 @@ class Trainer:
             self.model, self.data, global_batch=config.global_batch,
             balance=config.balance, split=parse_split(config.split, world, config.global_batch) if config.split
             else None, equal_steps=config.equal_steps, handoff=config.handoff,
-            handoff_max_check_cost=config.handoff_check_cost,
             rebalance_threshold=config.rebalance_threshold,
             memory_caps=parse_caps(config.memory_caps, world) if config.memory_caps else None,
             probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
