@@ -120,7 +120,8 @@ def write_results(out: str, meta: dict, rows: list[dict]) -> None:
     Path(out + ".json").write_text(json.dumps({**meta, "mutants": rows}, indent=1) + "\n")
     Path(out + ".md").write_text(
         f"Emulator mutation check, {meta['date']}, {meta['cpus']}-core {meta['machine']}, torch {meta['torch']}: "
-        f"each mutant seeded alone into csrc/, then `pytest -k \"{meta['selection']}\"` over tests/{{{','.join(TEST_FILES)}}} "
+        f"each mutant seeded alone into csrc/, then `pytest -k \"{meta['selection']}\"` over "
+        f"tests/{{{','.join(TEST_FILES)}}} "
         f"(stopping after {MAX_FAILURES} failures). Unmutated: {meta['baseline']} in "
         f"{meta['baseline_seconds']} s.\n\n{table(rows)}\n")
 

@@ -257,7 +257,8 @@ def test_noise_every_rank_shares_does_not_hold_a_rough_first_split():
         total = true_step_time(rebalancer.sizes, speeds)
         for step in range(1, 40):
             shared = math.exp(rng.gauss(0, 0.03)) * (1.1 if step <= 3 else 1.0)
-            rebalancer.observe([b / s * shared * math.exp(rng.gauss(0, 0.03)) for b, s in zip(rebalancer.sizes, speeds)])
+            times = [b / s * shared * math.exp(rng.gauss(0, 0.03)) for b, s in zip(rebalancer.sizes, speeds)]
+            rebalancer.observe(times)
             total += true_step_time(rebalancer.sizes, speeds)
         excess.append(total / 40 / best - 1)
     assert statistics.fmean(excess) < 0.0125
