@@ -5,6 +5,7 @@ the same run on the same gradients (a ~25M-parameter GPT's gradient list).
     python benchmarks/bench_allreduce.py                 # 2 and 4 ranks over plain loopback
     python benchmarks/bench_allreduce.py --link-gbit 1   # each rank behind a simulated 1 Gbit/s link
     python benchmarks/bench_allreduce.py --ranks 2 --json out.json
+    python benchmarks/bench_allreduce.py --link-gbit 1 --out benchmarks/results   # allreduce_1gbit_cpu_<date>.md/.json
 
 Plain loopback moves bytes at memory speed, so there the reduction arithmetic, not the
 wire, dominates. --link-gbit R (root, Linux tc) shapes the loopback device to R x ranks
@@ -48,6 +49,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import hetcomm
 from hetcomm.train.launch import free_port
+from result_files import add_out_arguments, write_results
 
 COUNTS = [3, 7, 1, 13]
 # DDP's bucket sizes (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_mb=25).
@@ -229,6 +231,7 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--link-gbit", type=float, help="simulate a link of this many Gbit/s per rank (root, tc)")
     parser.add_argument("--json", help="also write the rows here")
+    add_out_arguments(parser)
     args = parser.parse_args()
     if any(w < 2 or w > len(COUNTS) for w in args.ranks):
         parser.error(f"--ranks must be between 2 and {len(COUNTS)}")
@@ -237,10 +240,14 @@ def main():
     rows = [row for world in args.ranks for row in run(world, args.link_gbit)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {os.cpu_count()} CPU cores, Gloo over loopback, "
-          f"torch {torch.__version__}, {rows[0]['parameters'] / 1e6:.1f}M fp32 gradients in {len(gpt_shapes())} "
-          f"tensors, batches {COUNTS}; median of {STEPS} interleaved rounds after {WARMUP} warm-up, slowest rank.\n")
-    print(table(rows))
+    text = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d} on {os.cpu_count()} CPU cores, Gloo over loopback, "
+            f"torch {torch.__version__}, {rows[0]['parameters'] / 1e6:.1f}M fp32 gradients in {len(gpt_shapes())} "
+            f"tensors, batches {COUNTS}; median of {STEPS} interleaved rounds after {WARMUP} warm-up, slowest rank.\n\n"
+            + table(rows))
+    print(text)
+    if args.out:
+        variant = "loopback" if args.link_gbit is None else f"{args.link_gbit:g}gbit"
+        write_results(args.out, "allreduce", text, rows, variant=variant, run=args.run)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ warm-up, with freed memory kept mapped as the trainer's CPU workers keep it.
 
     python benchmarks/bench_check_pass.py
     python benchmarks/bench_check_pass.py --shares 8,12,36 --json out.json
+    python benchmarks/bench_check_pass.py --out benchmarks/results     # check_pass_cpu_<date>.md/.json
 """
 
 import argparse
@@ -19,6 +20,7 @@ import torch
 from hetcomm.balance.handoff import check_size
 from hetcomm.loop.host_memory import keep_freed_memory
 from hetcomm.train.model import GPT, GPTConfig
+from result_files import add_out_arguments, write_results
 
 REPEATS = 7
 
@@ -37,6 +39,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shares", default="4,8,12,17,24,36,49", help="windows per rank to measure")
     parser.add_argument("--json", help="also write the rows here")
+    add_out_arguments(parser)
     args = parser.parse_args()
     keep_freed_memory()
     torch.set_num_threads(1)
@@ -53,15 +56,17 @@ def main():
         two = min(passes_seconds(model, windows, [check]) for _ in range(REPEATS))
         rows.append({"share": share, "check": check, "one_pass_s": one, "check_and_rest_s": two,
                      "extra": two / one - 1})
-    print(f"Measured {datetime.now(timezone.utc):%Y-%m-%d}, one CPU thread, torch {torch.__version__}: CPU "
-          f"seconds of one rank's share, best of {REPEATS}.\n")
-    print("| windows | check | one pass, ms | check + rest, ms | the check's cost |")
-    print("|---|---|---|---|---|")
+    lines = [f"Measured {datetime.now(timezone.utc):%Y-%m-%d}, one CPU thread, torch {torch.__version__}: CPU "
+             f"seconds of one rank's share, best of {REPEATS}.\n",
+             "| windows | check | one pass, ms | check + rest, ms | the check's cost |", "|---|---|---|---|---|"]
     for r in rows:
-        print(f"| {r['share']} | {r['check']} | {1e3 * r['one_pass_s']:.1f} | {1e3 * r['check_and_rest_s']:.1f} | "
-              f"{100 * r['extra']:+.1f}% |")
+        lines.append(f"| {r['share']} | {r['check']} | {1e3 * r['one_pass_s']:.1f} | "
+                     f"{1e3 * r['check_and_rest_s']:.1f} | {100 * r['extra']:+.1f}% |")
+    print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.out:
+        write_results(args.out, "check_pass", "\n".join(lines), rows, run=args.run)
 
 
 if __name__ == "__main__":

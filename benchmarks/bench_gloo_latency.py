@@ -6,6 +6,7 @@ agreement instead of an all-reduce of their own.
 
     python benchmarks/bench_gloo_latency.py             # ~20 s
     python benchmarks/bench_gloo_latency.py --ranks 2
+    python benchmarks/bench_gloo_latency.py --out benchmarks/results   # gloo_latency_cpu_<date>.md/.json
 
 Rows (median over 31 rounds of rank 0's time, a barrier before each round):
   small all-reduce          8 float64 (an agreement, a gathered statistic)
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetcomm.train.launch import free_port
+from result_files import add_out_arguments, write_results
 
 ROUNDS = 31
 GRADIENT_ELEMENTS = 950_000          # GPT 2x192 with the byte vocabulary
@@ -70,16 +72,20 @@ def worker(rank: int, world: int, port: int, results) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
+    add_out_arguments(parser)
     args = parser.parse_args()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(worker, args=(args.ranks, free_port(), results), nprocs=args.ranks)
         rows = dict(results)
-    print(f"{args.ranks} Gloo processes on one {os.cpu_count()}-core machine, measured "
-          f"{datetime.now(timezone.utc):%Y-%m-%d}, torch {torch.__version__}; median of {ROUNDS} rounds\n")
-    print("| collective | ms |\n|---|---|")
-    for name, seconds in rows.items():
-        print(f"| {name} | {1e3 * seconds:.2f} |")
+    lines = [f"{args.ranks} Gloo processes on one {os.cpu_count()}-core machine, measured "
+             f"{datetime.now(timezone.utc):%Y-%m-%d}, torch {torch.__version__}; median of {ROUNDS} rounds\n",
+             "| collective | ms |", "|---|---|"]
+    lines += [f"| {name} | {1e3 * seconds:.2f} |" for name, seconds in rows.items()]
+    print("\n".join(lines))
+    if args.out:
+        write_results(args.out, "gloo_latency", "\n".join(lines), {"ranks": args.ranks, "seconds": rows},
+                      variant=None if args.ranks == 4 else f"{args.ranks}ranks", run=args.run)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ of 8 kinds is planned and timed (target: under a second).
 
     python benchmarks/bench_planner.py                       # ~5 minutes on 2 cores
     python benchmarks/bench_planner.py --steps 20 --json out.json
+    python benchmarks/bench_planner.py --out benchmarks/results     # planner_cpu_<date>.md/.json
 """
 
 import argparse
@@ -31,6 +32,7 @@ import torch
 from hetcomm.balance import equal_split
 from hetcomm.plan import load_catalog, load_run_profile, make_plan, parse_cluster, parse_model, spec_members
 from hetcomm.train.simulate import speeds_for_this_machine
+from result_files import add_out_arguments, write_results
 
 # Relative speeds, fitted to the machine's cores as bench_hetero_cluster.py and the trainer's
 # default run fit theirs: ranks that need more cores than there are slow one another down as
@@ -114,6 +116,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps of each profiling and planned run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write a table here")
+    add_out_arguments(parser)
     args = parser.parse_args()
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "torch": torch.__version__,
             "machine": f"{torch.get_num_threads()} threads, CPU", "simulated": True}
@@ -132,6 +135,9 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"meta": meta, "validation": results, "scale": large}, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(markdown(results, large, meta))
+    if args.out:
+        write_results(args.out, "planner", markdown(results, large, meta),
+                      {"meta": meta, "validation": results, "scale": large}, date=meta["date"], run=args.run)
     return 0
 
 

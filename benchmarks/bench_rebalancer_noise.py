@@ -9,15 +9,18 @@ slowest rank's) over the best split's, minus 1, and the mean number of changes.
 
     python benchmarks/bench_rebalancer_noise.py               # ~8 minutes on 2 cores
     python benchmarks/bench_rebalancer_noise.py --seeds 10 --steps 40
+    python benchmarks/bench_rebalancer_noise.py --out benchmarks/results   # rebalancer_noise_cpu_<date>.md/.json
 """
 
 import argparse
 import math
 import random
 import statistics
+import sys
 
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS, Rebalancer
 from hetcomm.balance.solver import solve_split
+from result_files import add_out_arguments, today, write_results
 
 SPEEDS = [51.0, 51.0, 25.0, 12.0]
 GLOBAL_BATCH = 96
@@ -52,9 +55,17 @@ def main():
     parser.add_argument("--steps", type=int, nargs="+", default=[40, 400])
     parser.add_argument("--common", type=float, nargs="+", default=[0.0],
                         help="noise every rank shares, e.g. 0 0.03 0.06 (above 0: with the warm-up steps)")
+    add_out_arguments(parser)
     args = parser.parse_args()
-    print("| steps | first split's timing noise | step noise | common noise | excess over the best split | changes |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"Rebalancer under noise ({' '.join(sys.argv[1:]) or 'defaults'}: {args.seeds} seeds, steps "
+             f"{', '.join(map(str, args.steps))}), {today()}, pure simulation (no processes). Cluster "
+             f"{':'.join(f'{s:g}' for s in SPEEDS)} samples/s, {GLOBAL_BATCH} per step; common noise > 0 adds "
+             f"{WARM_UP_STEPS} warm-up steps {WARM_UP_SLOWDOWN - 1:.0%} slower.\n",
+             "| steps | first split's timing noise | step noise | common noise | excess over the best split "
+             "| changes |",
+             "|---|---|---|---|---|---|"]
+    print("\n".join(lines))
+    rows = []
     for steps in args.steps:
         for first_noise in (0.05, 0.10):
             for step_noise in (0.02, 0.04, 0.07, 0.10):
@@ -62,8 +73,14 @@ def main():
                     runs = [run(first_noise, step_noise, steps, seed, common) for seed in range(args.seeds)]
                     excess = statistics.fmean(r[0] for r in runs)
                     changes = statistics.fmean(r[1] for r in runs)
-                    print(f"| {steps} | {first_noise:.0%} | {step_noise:.0%} | {common:.0%} | {excess:.2%} | "
-                          f"{changes:.1f} |", flush=True)
+                    rows.append({"steps": steps, "first_noise": first_noise, "step_noise": step_noise,
+                                 "common_noise": common, "excess": excess, "changes": changes})
+                    lines.append(f"| {steps} | {first_noise:.0%} | {step_noise:.0%} | {common:.0%} | {excess:.2%} | "
+                                 f"{changes:.1f} |")
+                    print(lines[-1], flush=True)
+    if args.out:
+        write_results(args.out, "rebalancer_noise", "\n".join(lines), {"seeds": args.seeds, "rows": rows},
+                      variant="common" if any(args.common) else None, run=args.run)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@ must pass. A mutant that the tests do not kill is a hole in what CI proves about
 CUDA kernels; the script exits with 1 if there is one.
 
     python benchmarks/emulator_mutants.py                      # every mutant, table on stdout
-    python benchmarks/emulator_mutants.py --out benchmarks/results/emulator_mutants_<date>_<machine>
+    python benchmarks/emulator_mutants.py --out benchmarks/results   # emulator_mutants_cpu_<date>.md/.json
     python benchmarks/emulator_mutants.py no_trailing_barrier  # some of them
 """
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -21,6 +20,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from result_files import add_out_arguments, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "kernels/multi_tensor.cuh"
@@ -116,20 +117,21 @@ def cpu_model() -> str:
     return found[1] if found else platform.machine()
 
 
-def write_results(out: str, meta: dict, rows: list[dict]) -> None:
-    Path(out + ".json").write_text(json.dumps({**meta, "mutants": rows}, indent=1) + "\n")
-    Path(out + ".md").write_text(
+def write_mutant_results(out_dir: str, run: int | None, meta: dict, rows: list[dict]) -> None:
+    write_results(
+        out_dir, "emulator_mutants",
         f"Emulator mutation check, {meta['date']}, {meta['cpus']}-core {meta['machine']}, torch {meta['torch']}: "
         f"each mutant seeded alone into csrc/, then `pytest -k \"{meta['selection']}\"` over "
         f"tests/{{{','.join(TEST_FILES)}}} "
         f"(stopping after {MAX_FAILURES} failures). Unmutated: {meta['baseline']} in "
-        f"{meta['baseline_seconds']} s.\n\n{table(rows)}\n")
+        f"{meta['baseline_seconds']} s.\n\n{table(rows)}\n",
+        {**meta, "mutants": rows}, date=meta["date"], run=run)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mutants", nargs="*", default=list(MUTANTS), help="names from MUTANTS (default: all)")
-    parser.add_argument("--out", help="write <out>.json and <out>.md")
+    add_out_arguments(parser)
     args = parser.parse_args()
 
     rows = []
@@ -158,7 +160,7 @@ def main() -> int:
         meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": cpu_model(),
                 "cpus": os.cpu_count(), "torch": torch.__version__, "selection": SELECTION,
                 "baseline": baseline["summary"], "baseline_seconds": baseline["seconds"]}
-        write_results(args.out, meta, rows)
+        write_mutant_results(args.out, args.run, meta, rows)
     return 0 if all(row["killed"] for row in rows) else 1
 
 

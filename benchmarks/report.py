@@ -3,12 +3,15 @@ GB/s per provider (median time), the fused op's speed-up over the best unfused r
 and its share of same-run copy bandwidth.
 
     python benchmarks/report.py .benchmarks/ops_cpu.json
+    python benchmarks/report.py .benchmarks/ops_cpu.json --out benchmarks/results   # ops_cpu_<date>.md/.json
 """
 
 import argparse
 import json
 import platform
 from collections import defaultdict
+
+from result_files import add_out_arguments, write_results
 
 ROUNDS_NOTE = "15 rounds after 2 warm-up rounds"
 
@@ -45,14 +48,18 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json_path")
+    add_out_arguments(parser)
     args = parser.parse_args()
     machine, when, rows = load(args.json_path)
     first = rows[0]
     cpu = machine.get("cpu", {}).get("brand_raw") or platform.processor() or "unknown CPU"
-    print(f"Measured {when[:10]} on {cpu}, {first['threads']} threads, torch {first['torch']}, "
-          f"hetcomm CPU loops: {first['cpu_isa']}; medians of {ROUNDS_NOTE}.")
-    print()
-    print(table(rows))
+    text = (f"Measured {when[:10]} on {cpu}, {first['threads']} threads, torch {first['torch']}, "
+            f"hetcomm CPU loops: {first['cpu_isa']}; medians of {ROUNDS_NOTE}.\n\n{table(rows)}")
+    print(text)
+    if args.out:
+        with open(args.json_path) as f:
+            data = json.load(f)
+        write_results(args.out, "ops_cpu", text, data, date=when[:10], run=args.run)
 
 
 if __name__ == "__main__":
