@@ -2,6 +2,7 @@
 #   make train   the main job on its built-in default: a simulated cluster of 4 CPU workers of
 #                different speeds trains a small GPT, then says what balancing bought
 #   make test    the test suite
+#   make lint    ruff check . (installs only ruff, no build; .ci/run runs it first)
 # Also: make demo (one weighted reduction, checked and timed), make plan (the planner on an example
 # mixed cluster), make bench (CPU benchmarks and their table), make info, make clean.
 #
@@ -11,11 +12,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch
+# The same pin as the `test` extra in pyproject.toml.
+RUFF ?= ruff==0.17.6
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetcomm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py pyproject.toml
 
-.PHONY: train demo plan test bench info clean
+.PHONY: train demo plan test lint bench info clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +38,11 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+lint:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/ruff || $(PY) -m pip install --quiet "$(RUFF)"
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	mkdir -p .benchmarks
