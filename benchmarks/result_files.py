@@ -3,7 +3,7 @@ scripts share (their `--out DIR` option):
 
     <benchmark>[_<variant>]_<machine>_<date>[_run<N>].{md,json}
 
-benchmark: the script's name without bench_ (allreduce, check_pass, ...); variant: a
+benchmark: the script's name without bench_ (allreduce, hetero_bert, ...); variant: a
 configuration worth its own file (1gbit, loopback, common); machine: `cpu` for a run on
 CPUs (the 2-core CI machine so far), a GPU's short name (gtx1080ti, v100) for a run on a
 GPU, left out where the benchmark's name already ends with it (ops_cpu); date: the UTC

@@ -7,11 +7,13 @@ import math
 import pytest
 
 from hetcomm.balance import handoff
-from hetcomm.balance.handoff import CHECK_SHARE_LEAST, MIN_GAIN, CheckShare, Handoff, Report, check_size, plan, report
+from hetcomm.balance.handoff import FORWARD_SHARE_LEAST, MIN_GAIN, ForwardShare, Handoff, Report, plan, report
 
 
 def rank(done, rate, remaining, giver=False, pass_seconds=0.0):
-    return Report(done, done * rate, remaining, rate, pass_seconds, giver)
+    seconds = done * rate
+    return Report(done, seconds, remaining, rate, pass_seconds, giver,
+                  seconds + (pass_seconds + remaining * rate if remaining else 0.0))
 
 
 def brute_force(reports):
@@ -44,7 +46,7 @@ def test_no_giver_no_plan():
     [rank(3, 0.5, 5, giver=True, pass_seconds=0.3), rank(2, 0.1, 6, pass_seconds=0.05), rank(1, 0.3, 2, giver=True),
      rank(2, 0.1, 7, pass_seconds=0.2)],
     # A receiver with no samples of its own (rate from the model).
-    [rank(4, 1.0, 4, giver=True), Report(0, 0.0, 0, 0.25, 0.1, False), rank(2, 0.2, 6)],
+    [rank(4, 1.0, 4, giver=True), Report(0, 0.0, 0, 0.25, 0.1, False, 0.0), rank(2, 0.2, 6)],
 ])
 def test_the_plan_is_the_least_makespan_and_places_every_sample_once(reports):
     found = plan(reports)
@@ -82,44 +84,69 @@ def test_ties_go_to_the_lower_rank():
     assert found.kept == (0, 0, 0) and found.received == (0, 2, 1)
 
 
-def test_report_predicts_the_rest_from_the_check_s_share_of_the_compute():
-    planned = 1.0
-    # A pass costs 0.1 s plus 0.1 s a sample: a check of 2 of 8 samples takes 0.3 s and
-    # the rest 0.7 s, so the check takes 0.3 of the time for 0.25 of the samples.
-    share = CheckShare()
-    for _ in range(CHECK_SHARE_LEAST):
-        share.add(2, 0.3, 8, 1.0)
-    assert share.value() == pytest.approx(1.2)
-    same = report(2, 0.3, 6, share.value(), 0.5, planned)
-    assert same.finish() == pytest.approx(1.0) and not same.giver
-    assert (same.rate, same.pass_seconds) == (pytest.approx(0.1), pytest.approx(0.1))
-    # Twice as slow: the rest predicted twice as long, 2.0 s > 1.5 x the planned 1.0 s.
-    slow = report(2, 0.6, 6, share.value(), 0.5, planned)
-    assert slow.finish() == pytest.approx(2.0) and slow.giver
-    assert (slow.rate, slow.pass_seconds) == (pytest.approx(0.2), pytest.approx(0.2))
-    # A rate from the check alone (0.15 s a sample) would have predicted 1.2 s for the same rank.
-    assert not report(2, 0.5, 0, share.value(), 0.5, planned).giver   # nothing left to give
-    assert not report(2, 5.0, 6, None, 0.5, planned).giver            # no share measured yet
-    nothing = report(0, 0.0, 0, share.value(), 0.3, planned)           # no samples: the model's rate
-    assert nothing.rate == 0.3 and not nothing.giver
+def test_report_predicts_the_share_from_the_forward_s_part_of_the_compute():
+    planned_step = 1.0
+    # A share of 8 samples in two micro-batches of 4: the first one's forward took 0.2 s of
+    # the share's 1.0 s, so it is 0.2 of the time for half the samples: a part of 0.4.
+    share = ForwardShare()
+    for _ in range(FORWARD_SHARE_LEAST):
+        share.add(4, 0.2, 8, 1.0)
+    assert share.value() == pytest.approx(0.4)
+    same = report(4, 0.2, 8, share.value(), 0.5, 1.0, planned_step)
+    assert not same.giver and (same.done, same.remaining) == (8, 0)
+    assert same.as_dealt == pytest.approx(1.0) and same.seconds == same.as_dealt
+    assert same.rate == pytest.approx(1.0 / 8) and same.pass_seconds == 0.0
+    # Twice as slow: the share predicted twice as long, 2.0 s > 1.5 x the planned 1.0 s: a
+    # giver, with none of its samples done and its forward's 0.4 s sunk.
+    slow = report(4, 0.4, 8, share.value(), 0.5, 1.0, planned_step)
+    assert slow.giver and (slow.done, slow.seconds, slow.remaining) == (0, 0.4, 8)
+    assert slow.as_dealt == pytest.approx(2.0) and slow.rate == pytest.approx(0.25)
+    # Only over the threshold: 1.4 x the planned step is the rebalancer's, not the handoff's.
+    assert not report(4, 0.28, 8, share.value(), 0.5, 1.0, planned_step).giver
+    # No part measured yet: the model's prediction, never a giver.
+    unknown = report(4, 5.0, 8, None, 0.5, 0.9, planned_step)
+    assert not unknown.giver and unknown.as_dealt == 0.9 and unknown.rate == pytest.approx(0.9 / 8)
+    nothing = report(0, 0.0, 0, share.value(), 0.3, 0.0, planned_step)   # no samples: the model's rate
+    assert nothing.rate == 0.3 and not nothing.giver and nothing.as_dealt == 0.0
 
 
-def test_the_check_share_is_a_median_of_recent_steps():
-    share = CheckShare()
-    for check_seconds in (0.3, 3.0):
-        share.add(2, check_seconds, 8, check_seconds + 0.7)
+def test_a_giver_s_plan_counts_its_dropped_forward_and_moves_its_samples():
+    """Rank 1 at a quarter of its speed: its forward of 24 samples says 4x the planned
+    share; the plan moves most of them to the ranks still at pace, and the step ends far
+    sooner than waiting for the whole slow share."""
+    share = 0.35
+    reports = [report(24, 0.35 * 0.42, 24, share, 0.0175, 0.42, 0.42),
+               report(24, 4 * 0.35 * 0.42, 24, share, 0.0175, 0.42, 0.42),
+               report(11, 0.35 * 0.40, 11, share, 0.036, 0.40, 0.42),
+               report(5, 0.35 * 0.38, 5, share, 0.076, 0.38, 0.42)]
+    assert [r.giver for r in reports] == [False, True, False, False]
+    found = plan(reports)
+    assert found.without_seconds == pytest.approx(4 * 0.42)
+    assert found.moved == 24 - found.kept[1] > 0
+    # The giver's step: its sunk forward plus a pass over what it keeps at its slow rate.
+    giver = reports[1]
+    assert found.step_seconds >= giver.seconds + giver.cost(found.kept[1]) - 1e-12
+    assert found.step_seconds == pytest.approx(brute_force(reports), rel=1e-12)
+    assert found.step_seconds < 0.6 * found.without_seconds
+
+
+def test_the_forward_share_is_a_median_of_recent_steps():
+    share = ForwardShare()
+    for forward in (0.3, 3.0):
+        share.add(8, forward, 8, forward + 0.6)
         assert share.value() is None   # too few steps yet
-    for check_seconds in (0.3, 0.3, 0.3, 0.3):   # one stall in the check, out of the last five
-        share.add(2, check_seconds, 8, check_seconds + 0.7)
-    assert share.value() == pytest.approx(1.2)
-    share.add(2, 0.3, 2, 0.3)   # a check that was the whole share says nothing
+    for forward in (0.3, 0.3, 0.3, 0.3):   # one stall in a forward, out of the last five
+        share.add(8, forward, 8, forward + 0.6)
+    assert share.value() == pytest.approx(1 / 3)
+    share.add(8, 0.9, 8, 0.9)   # a forward that was the whole compute says nothing
+    share.add(0, 0.1, 8, 0.9)   # nor one of no samples
     assert len(share.recent) == 5
 
 
 def test_report_rows_round_trip():
-    mine = report(3, 0.6, 9, 1.1, 0.1, 1.0)
-    assert Report.from_row(mine.row()) == mine
-    assert len(mine.row()) == len(handoff.REPORT_FIELDS)
+    for mine in (report(3, 0.6, 9, 0.4, 0.1, 1.0, 1.0), report(3, 0.1, 9, 0.4, 0.1, 1.0, 1.0)):
+        assert Report.from_row(mine.row()) == mine
+        assert len(mine.row()) == len(handoff.REPORT_FIELDS)
 
 
 @pytest.mark.parametrize("seconds, model_rate, message", [
@@ -128,15 +155,11 @@ def test_report_rows_round_trip():
 ])
 def test_bad_reports(seconds, model_rate, message):
     with pytest.raises(ValueError, match=message):
-        report(2, seconds, 6, 1.0, model_rate, 1.0)
-    with pytest.raises(ValueError, match="check_share = 0.0: expected a positive ratio, or None"):
-        report(2, 0.5, 6, 0.0, 0.1, 1.0)
-
-
-def test_check_size():
-    assert [check_size(b) for b in (0, 1, 3, 4, 5, 36)] == [0, 1, 1, 1, 2, 9]
-    # Over a memory cap the share runs as micro-batches anyway: the first one is the check.
-    assert [check_size(b, cap=8) for b in (0, 5, 8, 9, 36)] == [0, 2, 2, 8, 8]
+        report(2, seconds, 6, 1.0, model_rate, 1.0, 1.0)
+    with pytest.raises(ValueError, match="forward_share = 0.0: expected a positive ratio, or None"):
+        report(2, 0.5, 6, 0.0, 0.1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="first = 7 of own = 6"):
+        report(7, 0.5, 6, 0.4, 0.1, 1.0, 1.0)
 
 
 def test_sources_of_a_receiver_that_takes_from_two_givers():

@@ -57,6 +57,19 @@ def test_a_slowdown_applies_from_its_step_to_its_rank(monkeypatch):
     assert clocks.wall == pytest.approx(0.2)
 
 
+def test_settle_brings_the_stretch_up_to_now_and_the_phase_totals_the_same(monkeypatch):
+    """A time read within a phase (the handoff's timed forward) is at the simulated
+    speed, and the phase as a whole still takes its compute over the speed."""
+    clocks = FakeClocks(monkeypatch)
+    with SimulatedSpeed(rank=0, speed=0.25).compute(step=0) as settle:
+        clocks.run(cpu=0.1, waited=0.0)
+        settle()
+        assert clocks.wall == pytest.approx(0.4)
+        clocks.run(cpu=0.2, waited=0.0)
+    assert clocks.wall == pytest.approx(1.2)
+    assert clocks.slept == [pytest.approx(0.3), pytest.approx(0.6)]
+
+
 def test_fit_to_cores_scales_down_never_up():
     fitted = fit_to_cores([1.0, 1.0, 0.5, 0.25], cores=2)
     assert sum(fitted) == pytest.approx(0.75 * 2)

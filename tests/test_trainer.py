@@ -108,8 +108,8 @@ def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path)
 
 def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(tmp_path):
     # Rank 1 runs at a tenth of its speed from step 7 (five balanced steps have timed its
-    # check, three of which it needs even if a hiccup made one a handoff): after timing a
-    # quarter of its share it hands the rest to rank 0, and the rebalancer moves the split
+    # forward, three of which it needs even if a hiccup made one a handoff): after timing
+    # its forward it hands most of its share to rank 0, and the rebalancer moves the split
     # from step 8. Speeds of 0.05 stretch the tiny model's millisecond passes well above a
     # loaded machine's scheduling hiccups, which would make false stragglers.
     config = tiny_config(tmp_path, speeds="0.05,0.05", slowdown=["1:7:0.1"], global_batch=16, steps=9)
@@ -238,16 +238,16 @@ def shares_saved_and_resumed(rank, world, config):
     trainer = Trainer(config, rank, world, torch.device("cpu"))
     trainer.run(until=5)
     trainer.save_checkpoint()
-    saved = list(trainer.loop.check_share.recent)
+    saved = list(trainer.loop.forward_share.recent)
     resumed = Trainer(replace(config, resume=str(trainer.checkpoint_path), out=str(Path(config.out).with_name("r"))),
                       rank, world, torch.device("cpu"))
-    return saved, list(resumed.loop.check_share.recent)
+    return saved, list(resumed.loop.forward_share.recent)
 
 
-def test_a_resumed_run_keeps_each_rank_s_handoff_check_shares(tmp_path):
+def test_a_resumed_run_keeps_each_rank_s_handoff_forward_shares(tmp_path):
     config = tiny_config(tmp_path, speeds="0.5,0.25", global_batch=16, steps=8)
     for saved, resumed in values(run_ranks(2, shares_saved_and_resumed, config, tmp_path=tmp_path)):
-        assert saved and resumed == saved   # steps 2-4 timed checks: a resumed run can hand off at once
+        assert saved and resumed == saved   # steps 2-4 timed forwards: a resumed run can hand off at once
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -3,142 +3,134 @@
 The rebalancer reacts to a card that starts throttling on the step after: the step in
 which it happens runs at the old split, and every other rank waits for the slow one (a
 bottleneck card at a quarter of its speed makes that step four times as long). The
-handoff catches it inside the step. Every rank times a first part of its share (its
-check), then reports: how many samples it has done, in how many seconds, how many of
-its own are left, what one more pass and one more sample would cost it now, and
-whether it is a giver, a rank whose predicted finish is over the step's planned time
-by more than a threshold. The reports are all-reduced asynchronously: a rank that is not a giver goes on with its own
-samples and reads them only when done; a giver waits for them at once (the others
-report a part into the step, so it seldom waits). Every rank then computes the same
-plan from the same reports: which of the givers' remaining samples each giver keeps,
-and how many of the rest each rank takes on after its own share.
+handoff catches it inside the step, at no cost to a step without a straggler: every rank
+times the forward of its first micro-batch (the time from drawing the micro-batch to
+its backward call) and reports, before that backward, what its own share will cost at
+the pace of that forward and whether it is a giver, a rank whose predicted share is
+over the step's planned time by more than a threshold. The reports are all-reduced
+asynchronously: a rank that is not a giver runs its backward and the rest of its share
+and reads them only when done; a giver waits for them at once (the others report one
+forward into the step, so it seldom waits). Every rank then computes the same plan from
+the same reports: how many of its own samples each giver keeps, and how many of the
+given-up rest each other rank takes on after its own share. A giver that keeps fewer
+samples than its first micro-batch holds drops that forward (it runs no backward of
+it) and does the ones it keeps in a new pass; one that keeps more backs the first
+micro-batch up and goes on to the samples it keeps.
 
-A rank predicts the rest of its share from its check by the part of its compute the
-check took in recent steps (CheckShare): that part holds the fixed cost of a pass,
-which a rate per sample from the check alone would spread over its few samples (on a
-small model, three times the real rate). The check and the predicted rest, two passes
-of different sizes, give the line a + c·b of one pass: what a receiver pays for taking
-on samples, and a giver for keeping some.
+A rank predicts its share from the forward by the part of its compute that forward
+took in recent steps (ForwardShare), so the pass's fixed costs and the backward's
+weight are measured, not assumed. A speed change scales the forward and the rest
+alike, so it does not move that part.
 
 The plan is list scheduling of unit jobs on ranks of known speed, which is exact for
 the makespan: each given-up sample in turn goes to the rank that would finish it first
-(a giver only up to its own remaining samples; the first sample of a pass pays for the
-pass), ties to the lower rank. It only uses comparisons and IEEE additions,
-multiplications and divisions of the reported float64 numbers, so every host computes
-the same plan bit for bit. It is adopted only when it shortens the step by MIN_GAIN;
-otherwise every rank does its own share as dealt.
+(a giver only up to its own samples; the first sample of a pass pays for the pass),
+ties to the lower rank. It only uses comparisons and IEEE additions, multiplications
+and divisions of the reported float64 numbers, so every host computes the same plan bit
+for bit. It is adopted only when it shortens the step by MIN_GAIN; otherwise every rank
+does its own share as dealt (a giver backs its first micro-batch up after all).
 
-Free of torch and of torch.distributed: the trainer times, gathers and deals the samples.
+Free of torch and of torch.distributed: the loop times, gathers and deals the samples.
 """
 
 import heapq
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-# A rank hands samples off when its predicted finish is this much over the step's
-# planned time: far above the noise of a timed quarter of a share (a few percent on
-# GPUs; on CPU processes sharing 2 cores, 25% was crossed once in 40 steps, and the
-# move it made cost that step 20%), below a card that throttles hard. Milder
-# slowdowns are the rebalancer's, one step later.
+# A rank hands samples off when its predicted share is this much over the step's
+# planned time: far above the noise of a timed forward (a few percent on GPUs; on CPU
+# processes sharing 2 cores, 25% was crossed once in 40 steps, and the move it made cost
+# that step 20%), below a card that throttles hard. Milder slowdowns are the
+# rebalancer's, one step later.
 GIVER_THRESHOLD = 0.5
 # The least shortening of the step, as a fraction, that a plan must bring.
 MIN_GAIN = 0.1
-# The first part of its share a rank times before it reports.
-CHECK_FRACTION = 0.25
-# Steps whose check share (their median) predicts the next step's rest, and how many
-# it takes at least: one step's share, early in a run, was off enough to make a rank
-# a giver that was not slow.
-CHECK_SHARE_MEMORY = 5
-CHECK_SHARE_LEAST = 3
+# Steps whose forward share (their median) predicts the next step's share, and how many
+# it takes at least: one step's part, early in a run, was off enough to make a rank a
+# giver that was not slow.
+FORWARD_SHARE_MEMORY = 5
+FORWARD_SHARE_LEAST = 3
 # One report's fields, in order: what the all-reduce carries per rank.
-REPORT_FIELDS = ("done", "seconds", "remaining", "rate", "pass_seconds", "giver")
+REPORT_FIELDS = ("done", "seconds", "remaining", "rate", "pass_seconds", "giver", "as_dealt")
 
 
-def check_size(samples: int, cap: int | None = None) -> int:
-    """The samples a rank with `samples` in the step times before it reports: a
-    quarter, at least one (none when it has none); over a memory `cap`, its first
-    micro-batch, so that the check costs no pass of its own."""
-    if cap is not None and samples > cap:
-        return cap
-    return 0 if samples == 0 else max(1, math.ceil(samples * CHECK_FRACTION))
-
-
-class CheckShare:
-    """The part of a rank's compute time for its own share that its check takes, over
-    the part of the share's samples it holds (1 when time follows samples; above 1 when
-    a pass has a fixed cost): the median of the last CHECK_SHARE_MEMORY steps, once
-    there are CHECK_SHARE_LEAST. A speed change scales both parts alike, so it does not
-    move this."""
+class ForwardShare:
+    """The part of a rank's compute time for its own share that the forward of its first
+    micro-batch takes, over the part of the share's samples that micro-batch holds (about
+    a third for one micro-batch: a backward costs about twice a forward): the median of
+    the last FORWARD_SHARE_MEMORY steps, once there are FORWARD_SHARE_LEAST."""
 
     def __init__(self):
         self.recent: list[float] = []
 
-    def add(self, check_samples: int, check_seconds: float, samples: int, seconds: float) -> None:
-        """One step's check and its whole own share (the check included)."""
-        if 0 < check_samples < samples and 0 < check_seconds < seconds and math.isfinite(seconds):
-            self.recent = (self.recent + [(check_seconds / seconds) / (check_samples / samples)])[-CHECK_SHARE_MEMORY:]
+    def add(self, first_samples: int, forward_seconds: float, samples: int, seconds: float) -> None:
+        """One step's first forward and its whole own share (that forward included)."""
+        if 0 < first_samples <= samples and 0 < forward_seconds < seconds and math.isfinite(seconds):
+            self.recent = (self.recent + [(forward_seconds / seconds) / (first_samples / samples)]
+                           )[-FORWARD_SHARE_MEMORY:]
 
     def value(self) -> float | None:
-        return statistics.median(self.recent) if len(self.recent) >= CHECK_SHARE_LEAST else None
+        return statistics.median(self.recent) if len(self.recent) >= FORWARD_SHARE_LEAST else None
 
 
 @dataclass(frozen=True)
 class Report:
-    """One rank's report at its check."""
+    """One rank's report at the backward call of its first micro-batch. A giver has done
+    none of its samples (`remaining` is its whole share, `seconds` the forward it may
+    drop); any other rank reports its share as done (`done`) in its predicted `seconds`,
+    the base to which samples taken on add."""
 
-    done: int              # samples done so far in this step
-    seconds: float         # compute seconds they took
-    remaining: int         # own samples still to do
+    done: int              # samples counted as done
+    seconds: float         # compute seconds before any further pass
+    remaining: int         # own samples still open to the plan (a giver's)
     rate: float            # seconds per further sample, now
     pass_seconds: float    # the fixed cost of a further pass, now
     giver: bool
+    as_dealt: float        # predicted compute seconds of the rank's own share as dealt
 
     def cost(self, samples: int) -> float:
         """Seconds of one more pass over `samples` samples (none: no pass)."""
         return self.pass_seconds + samples * self.rate if samples > 0 else 0.0
 
-    def finish(self) -> float:
-        """Predicted compute seconds of the rank's own share."""
-        return self.seconds + self.cost(self.remaining)
-
     def row(self) -> list[float]:
         return [float(self.done), self.seconds, float(self.remaining), self.rate, self.pass_seconds,
-                float(self.giver)]
+                float(self.giver), self.as_dealt]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> "Report":
-        done, seconds, remaining, rate, pass_seconds, giver = row
-        return cls(int(done), seconds, int(remaining), rate, pass_seconds, giver != 0.0)
+        done, seconds, remaining, rate, pass_seconds, giver, as_dealt = row
+        return cls(int(done), seconds, int(remaining), rate, pass_seconds, giver != 0.0, as_dealt)
 
 
-def report(done: int, seconds: float, remaining: int, check_share: float | None, model_rate: float,
-           planned_step: float) -> Report:
-    """This rank's report after its check: `done` samples in `seconds`, `remaining` to
-    go. The rest of its share is predicted by `check_share` (CheckShare.value(); None
-    before it has one: no prediction yet, so not a giver), and the rank is a giver when
-    its share would end more than GIVER_THRESHOLD over `planned_step`, the step's
-    predicted compute time. `model_rate`: seconds per sample for a rank with no samples."""
+def report(first: int, seconds: float, own: int, forward_share: float | None, model_rate: float,
+           planned_rank: float, planned_step: float) -> Report:
+    """This rank's report after the forward of its first micro-batch (`first` samples, in
+    `seconds`) of a share of `own` samples. `forward_share`: ForwardShare.value() (None
+    before it has one: the share is predicted by the model, `planned_rank` seconds, and
+    the rank is no giver). The rank is a giver when its share would end more than
+    GIVER_THRESHOLD over `planned_step`, the step's predicted compute time. `model_rate`:
+    seconds per sample for a rank with no samples."""
     if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"seconds = {seconds!r}: expected the check's finite, non-negative compute time")
+        raise ValueError(f"seconds = {seconds!r}: expected the forward's finite, non-negative compute time")
     if not (math.isfinite(model_rate) and model_rate > 0):
         raise ValueError(f"model_rate = {model_rate!r}: expected positive seconds per sample")
-    if check_share is not None and not (math.isfinite(check_share) and check_share > 0):
-        raise ValueError(f"check_share = {check_share!r}: expected a positive ratio, or None")
-    if done == 0 or seconds == 0:
-        return Report(done, seconds, remaining, model_rate, 0.0, False)
-    if check_share is None or remaining == 0:
-        return Report(done, seconds, remaining, seconds / done, 0.0, False)
-    rest = seconds / (check_share * done / (done + remaining)) - seconds
-    # The pass line through the check (done, seconds) and the predicted rest (remaining, rest).
-    rate, pass_seconds = rest / remaining, 0.0
-    if remaining != done and rest > 0:
-        slope = (rest - seconds) / (remaining - done)
-        if slope > 0 and seconds - slope * done >= 0:
-            rate, pass_seconds = slope, seconds - slope * done
-    mine = Report(done, seconds, remaining, rate, pass_seconds, False)
-    return replace(mine, giver=mine.finish() > (1 + GIVER_THRESHOLD) * planned_step)
+    if forward_share is not None and not (math.isfinite(forward_share) and forward_share > 0):
+        raise ValueError(f"forward_share = {forward_share!r}: expected a positive ratio, or None")
+    if not 0 <= first <= own or (first == 0) != (own == 0):
+        raise ValueError(f"first = {first!r} of own = {own!r}: expected a first micro-batch of 1..own samples "
+                         f"(0 of none)")
+    if own == 0:
+        return Report(0, 0.0, 0, model_rate, 0.0, False, 0.0)
+    if forward_share is None or seconds == 0:
+        predicted = planned_rank if math.isfinite(planned_rank) and planned_rank > 0 else own * model_rate
+        return Report(own, predicted, 0, predicted / own, 0.0, False, predicted)
+    predicted = seconds / (forward_share * first / own)
+    rate = predicted / own
+    if predicted > (1 + GIVER_THRESHOLD) * planned_step:
+        return Report(0, seconds, own, rate, 0.0, True, predicted)
+    return Report(own, predicted, 0, rate, 0.0, False, predicted)
 
 
 @dataclass(frozen=True)
@@ -178,9 +170,9 @@ def plan(reports: Sequence[Report]) -> Handoff | None:
     givers = {i for i, r in enumerate(reports) if r.giver and r.remaining > 0}
     if not givers:
         return None
-    without = max(r.finish() for r in reports)
-    # A giver's samples so far, and a receiver's whole share, before its one more pass.
-    bases = [r.seconds if i in givers else r.finish() for i, r in enumerate(reports)]
+    without = max(r.as_dealt for r in reports)
+    # A giver's sunk seconds, and a receiver's whole share, before its one more pass.
+    bases = [r.seconds if i in givers else r.seconds + r.cost(r.remaining) for i, r in enumerate(reports)]
     taken = [0] * len(reports)
     heap = [(base + r.cost(1), i) for i, (base, r) in enumerate(zip(bases, reports))]
     heapq.heapify(heap)

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 from hetcomm.amp import AUTOCAST_DTYPES, PRECISIONS, DynamicLossScaler
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split,
                              probe_memory, solve_split)
-from hetcomm.balance.handoff import CheckShare
+from hetcomm.balance.handoff import ForwardShare
 from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import gather_floats
@@ -117,7 +117,7 @@ class BalancedLoop:
         self.control_group = None
         if self.handoff_enabled and dist.get_backend() != "gloo":
             self.control_group = dist.new_group(backend="gloo")
-        self.check_share = CheckShare()
+        self.forward_share = ForwardShare()
         self.step = 0                         # optimizer steps done
         self.first_timing_seconds = 0.0     # how long the first step's timed parts took (waits included)
         self.previous_times = (0.0, 0.0)      # this rank's reduce and update seconds of the last step
@@ -170,14 +170,14 @@ class BalancedLoop:
 
     def state_dict(self) -> dict:
         """The loop's state for a checkpoint (every rank calls it: each rank's random
-        streams and handoff check shares are gathered; save rank 0's copy)."""
+        streams and handoff forward shares are gathered; save rank 0's copy)."""
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         mine = [None] * self.world
-        dist.all_gather_object(mine, (torch.get_rng_state(), cuda, list(self.check_share.recent)))
+        dist.all_gather_object(mine, (torch.get_rng_state(), cuda, list(self.forward_share.recent)))
         return {"step": self.step, "sampler": self.sampler.state_dict(),
                 "rebalancer": self.rebalancer.rebalancer.state_dict(), "split": list(self.split),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
-                "rng": [m[0] for m in mine], "cuda_rng": [m[1] for m in mine], "check_shares": [m[2] for m in mine]}
+                "rng": [m[0] for m in mine], "cuda_rng": [m[1] for m in mine], "forward_shares": [m[2] for m in mine]}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues exactly where state_dict() was taken (same ranks, data and batch)."""
@@ -193,7 +193,8 @@ class BalancedLoop:
         torch.set_rng_state(state["rng"][self.rank])
         if self.device.type == "cuda" and state.get("cuda_rng") and state["cuda_rng"][self.rank] is not None:
             torch.cuda.set_rng_state(state["cuda_rng"][self.rank], self.device)
-        self.check_share.recent = [float(r) for r in state["check_shares"][self.rank]]
+        # A checkpoint of an older version holds check shares, which meant something else: learn them anew.
+        self.forward_share.recent = [float(r) for r in state.get("forward_shares", [[]] * self.world)[self.rank]]
         self.time_first_step = False
 
     # --- what the steps use ----------------------------------------------------------
@@ -237,8 +238,9 @@ class BalancedLoop:
         if sum(done) != step_samples:
             raise ValueError(f"BalancedLoop: the ranks did {done} samples, {sum(done)} in all, of a step of "
                              f"{step_samples}; a handoff was planned differently on different ranks")
-        times = [row[GATHERED.index("compute")] for row in everyone]
-        decision = None if timed_first else self.rebalancer.step(times[self.rank], times, done)
+        times = [row[GATHERED.index("measured_s")] for row in everyone]
+        measured = [round(row[GATHERED.index("measured_samples")]) for row in everyone]
+        decision = None if timed_first else self.rebalancer.step(times[self.rank], times, measured)
         following = self.step + 1
         if self.fixed_split:
             sizes = self.fixed_split

@@ -27,8 +27,12 @@ from hetcomm.loop.batches import micro_batches
 # this step's compute seconds, summed loss, loss items (count) and samples done, and the
 # previous step's reduce seconds (the reduction, including the wait for slower ranks)
 # and update seconds (from reduce() returning to the next step: the optimizer step),
-# and whether the rank was asked to stop (BalancedLoop.request_stop).
-GATHERED = ("compute", "loss_sum", "count", "samples", "previous_reduce", "previous_update", "stop")
+# whether the rank was asked to stop (BalancedLoop.request_stop), and the seconds and
+# samples the rebalancer measures the rank's speed by: its compute and samples, or in a
+# step with a handoff report those of its own share as dealt (samples taken on left
+# out; a giver's share as its timed forward predicted it).
+GATHERED = ("compute", "loss_sum", "count", "samples", "previous_reduce", "previous_update", "stop",
+            "measured_s", "measured_samples")
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,17 @@ class LoopStep:
         self.step_samples = loop.global_batch
         self.timed_first = False
         self.handed_off: handoff.Handoff | None = None
+        # The seconds and samples of the rank's own share as dealt, in a step with a handoff
+        # report: timed (taken-on samples left out), or a giver's as its forward predicted it.
+        self.measured: tuple[float, int] | None = None
         self.reduced = False
         self._state = "new"
         self._awaiting: int | None = None   # the size of the micro-batch yielded and not yet backward'ed
+        self._reporting: _Reporting | None = None   # this step's handoff report, when it has one
+        self._reporting_due = False         # the next backward call is the first micro-batch's: report first
+        self._cut: str | None = None        # a giver's plan ends its run: "dropped" or "kept" its first micro-batch
+        self._started = 0.0                 # when the current run began
+        self._settle = _no_stretch          # brings the simulated speed's stretch up to now
 
     # --- the micro-batches -----------------------------------------------------------
 
@@ -124,10 +136,13 @@ class LoopStep:
 
     def _run(self, indices: list[int], timed: bool = True):
         """Yields the micro-batches of `indices`; returns the seconds they took, waiting
-        for the device, stretched to the rank's simulated speed when timed."""
+        for the device, stretched to the rank's simulated speed when timed. A giver's
+        handoff (see _report_forward) may end it after its first micro-batch."""
         loop = self.loop
         start = time.perf_counter()
-        with loop.compute_context(self.number) if timed else nullcontext():
+        done = 0
+        with loop.compute_context(self.number) if timed else nullcontext() as settle:
+            self._started, self._settle = start, settle or _no_stretch
             for micro in micro_batches(indices, loop.cap()):
                 batch = loop.load(micro)
                 self._awaiting = len(micro)
@@ -135,13 +150,21 @@ class LoopStep:
                 if self._awaiting is not None:
                     raise RuntimeError(f"BalancedLoop: step {self.number}: step.backward(loss) was not called for "
                                        f"a micro-batch; call it once for each micro-batch the step yields")
-            if loop.device.type == "cuda":
-                torch.cuda.synchronize(loop.device)
+                if self._cut == "dropped":
+                    break
+                done += len(micro)
+                if self._cut == "kept":
+                    break
+            self._device_done()
         seconds = time.perf_counter() - start
         if timed:
             self.compute += seconds
-            self.samples += len(indices)
+            self.samples += done
         return seconds
+
+    def _device_done(self) -> None:
+        if self.loop.device.type == "cuda":
+            torch.cuda.synchronize(self.loop.device)
 
     def _retarget(self, now: int) -> None:
         """Gradients normalised by self.normaliser samples made those normalised by
@@ -196,34 +219,61 @@ class LoopStep:
         yield from self._run(loop.sampler.take(rest) if sum(rest) else [])
 
     def _with_handoff(self, indices: list[int]):
-        """The rank's share in two timed parts with a report in between (balance.handoff):
-        its own samples kept, then those taken on from a straggler."""
+        """The rank's share as dealt, with a report at the first micro-batch's backward
+        call (balance.handoff; backward() calls _report_forward): its own samples, or a
+        giver's kept part of them, then those taken on from a straggler."""
         loop, rank = self.loop, self.loop.rank
-        own = len(indices)
-        check = handoff.check_size(own, loop.cap())
-        check_seconds = yield from self._run(indices[:check])
         model = loop.rebalancer.rebalancer.model()
-        planned = max(predict_rank_times(loop.sampler.drawn_shares, model, loop.caps))
-        mine = handoff.report(check, check_seconds, own - check, loop.check_share.value(), model[rank][1], planned)
-        work, table = launch_gather_floats(mine.row(), loop.control_group)
-        reports = plan = None
-        if mine.giver:   # a giver waits for the plan at once; the others only after their own share
-            reports, plan = self._read_reports(work, table)
-        kept = plan.kept[rank] if plan else own - check
-        self._retarget(check + kept)
-        seconds = yield from self._run(indices[check:check + kept])
-        if kept == own - check:
-            loop.check_share.add(check, check_seconds, own, check_seconds + seconds)
-        if not mine.giver:
-            reports, plan = self._read_reports(work, table)
+        planned = predict_rank_times(loop.sampler.drawn_shares, model, loop.caps)
+        self._reporting = _Reporting(len(indices), model[rank][1], planned[rank], max(planned))
+        self._reporting_due = bool(indices)
+        if not indices:
+            self._post_report(handoff.report(0, 0.0, 0, None, model[rank][1], 0.0, max(planned)))
+        seconds = yield from self._run(indices)
+        mine = self._reporting
+        kept = mine.plan.kept[rank] if mine.plan and mine.report.giver else len(indices)
+        if self._cut is not None:   # a giver's plan: its kept samples past those done
+            self._cut = None
+            yield from self._run(indices[self.samples:kept])
+        else:
+            self.measured = (seconds, len(indices))
+            if indices:
+                loop.forward_share.add(mine.first, mine.forward_seconds, len(indices), seconds)
+        if mine.reports is None:
+            mine.reports, mine.plan = self._read_reports(mine.work, mine.table)
+        plan, reports = mine.plan, mine.reports
         self.handed_off = plan
         if plan and plan.received[rank]:
             extra = []
             for giver, first, count in plan.sources([r.remaining for r in reports], rank):
                 start = reports[giver].done + first
                 extra += loop.sampler.drawn_indices(giver)[start:start + count]
-            self._retarget(check + kept + len(extra))
+            self._retarget(kept + len(extra))
             yield from self._run(extra)
+
+    def _report_forward(self) -> None:
+        """At the backward call of the share's first micro-batch: times its forward,
+        sends the report and, for a giver, reads the plan at once. A giver that keeps
+        fewer samples than the micro-batch holds drops it (no backward); one that keeps
+        more backs it up; either then does only the samples it keeps."""
+        mine, self._reporting_due = self._reporting, False
+        self._settle()
+        self._device_done()
+        mine.first, mine.forward_seconds = self._awaiting, time.perf_counter() - self._started
+        self._post_report(handoff.report(mine.first, mine.forward_seconds, mine.own,
+                                         self.loop.forward_share.value(), mine.model_rate, mine.planned_rank,
+                                         mine.planned_step))
+        if mine.report.giver:
+            mine.reports, mine.plan = self._read_reports(mine.work, mine.table)
+            if mine.plan:
+                kept = mine.plan.kept[self.loop.rank]
+                self.normaliser = max(1, kept)   # no gradient yet: the first micro-batch's backward is to come
+                self.measured = (mine.report.as_dealt, mine.own)
+                self._cut = "kept" if kept >= mine.first else "dropped"
+
+    def _post_report(self, mine: handoff.Report) -> None:
+        self._reporting.report = mine
+        self._reporting.work, self._reporting.table = launch_gather_floats(mine.row(), self.loop.control_group)
 
     def _read_reports(self, work, table) -> tuple[list[handoff.Report], handoff.Handoff | None]:
         wait(work, self.loop.reducer.timeout, "BalancedLoop: the handoff reports")
@@ -258,7 +308,11 @@ class LoopStep:
             raise ValueError(f"step.backward: the loop was given items_per_sample={per_sample}, which fixes the "
                              f"count; pass no count")
         count = self._awaiting * (per_sample or 1) if count is None else _checked_count(count)
+        if self._reporting_due:
+            self._report_forward()
         self._awaiting = None
+        if self._cut == "dropped":
+            return   # a giver hands this micro-batch off: its forward is dropped, its samples done elsewhere
         if isinstance(count, numbers.Real) and count == 0:
             return   # no items: nothing to add (and a mean over none is NaN)
         total = loss.reshape(()) * count if reduction == "mean" else loss.reshape(())
@@ -279,8 +333,9 @@ class LoopStep:
         loop = self.loop
         start = time.perf_counter()
         count = float(self.count)
+        measured = self.measured or (self.compute, self.samples)
         gather = [self.compute, float(self.loss_sum), count, self.samples, *loop.previous_times,
-                  float(loop.stop_requested)]
+                  float(loop.stop_requested), *measured]
 
         def choose_next_split(everyone):
             loop.choose_next_split(everyone, self.step_samples, self.timed_first)
@@ -315,3 +370,24 @@ def _checked_count(count):
         raise ValueError(f"step.backward: count = {count!r}: expected a finite, non-negative number of items")
     return count
 
+
+
+def _no_stretch() -> None:
+    """No simulated speed: nothing to wait for."""
+
+
+@dataclass
+class _Reporting:
+    """A step's handoff report and what came back of it."""
+
+    own: int                 # the rank's own samples as dealt
+    model_rate: float        # seconds per sample the model predicts for it
+    planned_rank: float      # its predicted compute seconds for its share
+    planned_step: float      # the step's: the slowest rank's
+    first: int = 0           # the samples of the first micro-batch, whose forward was timed
+    forward_seconds: float = 0.0
+    report: handoff.Report | None = None
+    work: object = None      # the reports' all-reduce in flight, and its table
+    table: Tensor | None = None
+    reports: list[handoff.Report] | None = None
+    plan: handoff.Handoff | None = None

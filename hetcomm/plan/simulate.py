@@ -7,8 +7,8 @@ factor (1, times every slowdown that has started) and multiplied by exp(noise·z
 z standard normal: the same draws for both policies, so their difference is the
 policy's alone. A step costs the slowest rank's compute plus the plan's exposed
 all-reduce and update. The rebalancing policy also hands a straggler's samples off
-within the step as the trainer does (hetcomm.balance.handoff), its check and rest timed
-in proportion to their samples."""
+within the step as the trainer does (hetcomm.balance.handoff), from the timed forward
+of each rank's share."""
 
 import math
 from dataclasses import dataclass
@@ -54,12 +54,11 @@ def _handed_off(rebalancer: Rebalancer, measured: list[float], rates: list[float
     handoff, for compute times `measured` at the current split; `rates`: seconds per
     sample of a rank with no samples."""
     sizes = rebalancer.sizes
-    planned = max(predict_rank_times(sizes, rebalancer.model(), caps))
+    planned = predict_rank_times(sizes, rebalancer.model(), caps)
     reports = []
-    for b, t, rate in zip(sizes, measured, rates):
-        check = handoff.check_size(b)
-        # Time in proportion to samples: the check's share of the time is its share of the samples.
-        reports.append(handoff.report(check, t * check / b if b else 0.0, b - check, 1.0, rate, planned))
+    for b, t, rate, expected in zip(sizes, measured, rates, planned):
+        # One micro-batch, its forward a third of the pass: the report predicts the measured time.
+        reports.append(handoff.report(b, t / 3, b, 1 / 3, rate, expected, max(planned)))
     found = handoff.plan(reports)
     if found is None:
         return max(measured), sizes, False

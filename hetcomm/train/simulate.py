@@ -96,14 +96,21 @@ class SimulatedSpeed:
         return factor
 
     @contextmanager
-    def compute(self, step: int) -> Iterator[None]:
+    def compute(self, step: int) -> Iterator[Callable[[], None]]:
         """Around a compute phase of `step`: afterwards, waits until the phase has taken
-        the time it needed divided by the speed factor. A factor above 1 cannot make it
-        faster than it was."""
+        the time it needed divided by the speed factor. It yields a settle() that does
+        the same for the phase so far, so that a time read within the phase (the
+        handoff's timed forward) is at the simulated speed too. A factor above 1 cannot
+        make it faster than it was."""
         clock: Callable[[], float] = _cpu_seconds_per_thread if self.device_type == "cpu" else time.perf_counter
-        wall, needed = time.perf_counter(), clock()
-        yield
-        needed = clock() - needed
-        remaining = needed / self.factor(step) - (time.perf_counter() - wall)
-        if remaining > 0:
-            time.sleep(remaining)
+        since = [time.perf_counter(), clock()]   # wall and needed time where the last settle left off
+
+        def settle() -> None:
+            needed = clock() - since[1]
+            remaining = needed / self.factor(step) - (time.perf_counter() - since[0])
+            if remaining > 0:
+                time.sleep(remaining)
+            since[:] = [time.perf_counter(), clock()]
+
+        yield settle
+        settle()
