@@ -17,8 +17,8 @@ from pathlib import Path
 
 from hetcomm.plan.catalog import load_catalog
 from hetcomm.plan.cost import math_of
-from hetcomm.plan.fit import (MaxBatch, fit_efficiencies, leave_one_source_out, load_max_batches, load_measurements,
-                              predict, predicted_cap, relative_errors, summary, weak_scaling)
+from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_max_batches, load_measurements,
+                              predict, predicted_cap, predicted_cap_of_run, relative_errors, summary, weak_scaling)
 
 WORST_PAIRS = 8
 
@@ -82,8 +82,7 @@ def report() -> tuple[str, dict]:
     ratios = []
     for r in rows:
         if r.source == "lambda-2022" and r.gpus == 1:
-            cap = predicted_cap(MaxBatch(r.source, r.gpu, r.model, r.task, r.seq, r.precision, r.attention, 0, "", ""),
-                                catalog)
+            cap = predicted_cap_of_run(r, catalog)
             ratios.append(cap / r.micro_batch)
             lines.append(f"| {r.gpu} | {r.model} | {r.precision} | {r.micro_batch} | {cap} | "
                          f"{cap / r.micro_batch:.2f} |")

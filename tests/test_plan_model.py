@@ -91,9 +91,10 @@ def test_custom_models_and_bad_model_strings():
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
 def test_eager_attention_score_bytes_match_autograds_saved_tensors(precision, dtype):
-    # BERT-era attention as separate kernels: scores, softmax, dropout on the
-    # probabilities (native_dropout, the kernel CUDA runs, which keeps a 1-byte mask),
-    # then the value product; what autograd keeps of the seq×seq scores.
+    # BERT-era attention as separate kernels: scores, softmax (in fp32: CUDA autocast's
+    # fp32 list has it), dropout on the probabilities (native_dropout, the kernel CUDA
+    # runs, which keeps a 1-byte mask), then the value product, in 16-bit under autocast;
+    # what autograd keeps of the seq×seq scores.
     heads, head_dim, seq = 4, 16, 48
     shape = ModelShape("eager", 1, heads, heads * head_dim, 100, "bert", "qa")
     q, k, v = (torch.randn(BATCH, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -105,6 +106,6 @@ def test_eager_attention_score_bytes_match_autograds_saved_tensors(precision, dt
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        probabilities = torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5, dim=-1)
-        torch.native_dropout(probabilities, 0.1, True)[0] @ v
+        probabilities = torch.softmax((q @ k.transpose(-1, -2) / head_dim**0.5).float(), dim=-1)
+        torch.native_dropout(probabilities, 0.1, True)[0].to(dtype) @ v
     assert sum(storages.values()) == shape.score_bytes_per_token(seq, precision) * seq * BATCH

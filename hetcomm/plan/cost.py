@@ -181,10 +181,13 @@ def matmul_seconds(device: Device, model: ModelShape, seq: int, precision: str, 
 
 def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, wire_bytes: int,
                 memory_fraction: float, efficiency: float | None = None, attention: str = "fused",
-                efficiencies: dict[tuple[str, str], float] | None = None) -> DeviceCost:
+                efficiencies: dict[tuple[str, str], float] | None = None,
+                activations: str | None = None) -> DeviceCost:
     """The cost of `model` on `device` computing in `precision` (ValueError naming the
     device where the precision has no native support). `efficiency` overrides the
-    fitted share of peak; `efficiencies` replaces the fitted table (for the fit itself)."""
+    fitted share of peak; `efficiencies` replaces the fitted table (for the fit itself);
+    `activations` = "o2" costs fp16's activations as apex's amp O2 keeps them (the
+    published runs; the planner's own fp16 is autocast's)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
     simt_share, fp32_efficiency = 0.0, None   # a given efficiency is the whole share of peak
@@ -198,10 +201,11 @@ def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, 
     bandwidth = device.bandwidth_gbs * 1e9
     fixed = ((KERNELS_PER_LAYER * model.n_layer + KERNELS_OUTSIDE_LAYERS) * SECONDS_PER_KERNEL
              + parameters * WEIGHT_BYTES_PER_MICRO_STEP[storage] / (bandwidth * BANDWIDTH_EFFICIENCY))
+    kept = activations or storage
     per_sample = (matmul_seconds(device, model, seq, precision, efficiency, simt_share, fp32_efficiency)
-                  + memory_bound_seconds(device, model, seq, precision, attention))
+                  + memory_bound_seconds(device, model, seq, precision, attention, kept))
     state = parameters * (STATE_BYTES_PER_PARAMETER[storage] + wire_bytes) + CONTEXT_BYTES
-    activation = model.activation_bytes_per_sample(seq, storage, attention)
+    activation = model.activation_bytes_per_sample(seq, kept, attention)
     memory = device.memory_gib * 2**30 * memory_fraction
     return DeviceCost(precision=precision, fixed=fixed, per_sample=per_sample,
                       cap=micro_batch_cap(memory, state, activation), state_bytes=state,
@@ -221,9 +225,10 @@ def update_seconds(parameters: int, bandwidth_bytes_per_s: float, precision: str
 
 
 def memory_bound_seconds(device: Device, model: ModelShape, seq: int, precision: str,
-                         attention: str = "fused") -> float:
+                         attention: str = "fused", activations: str | None = None) -> float:
     """Per sample, the memory-bound part of forward and backward."""
-    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, STORAGE[precision], attention)
+    kept = activations or STORAGE[precision]
+    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, kept, attention)
     return traffic / (device.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
 
 

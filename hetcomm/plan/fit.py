@@ -73,6 +73,11 @@ class Measurement:
         return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
 
     @property
+    def activations(self) -> str | None:
+        """How the run's fp16 kept its activations: "o2" for apex's amp O2."""
+        return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
+
+    @property
     def run(self) -> tuple:
         """What a multi-GPU row shares with its single-GPU twin."""
         return (self.source, self.gpu, self.model, self.task, self.seq, self.micro_batch, self.accumulation,
@@ -82,6 +87,13 @@ class Measurement:
     def workload(self) -> tuple:
         """What two rows of one source must share for their ratio to compare GPUs."""
         return self.source, self.model, self.task, self.seq
+
+    @property
+    def build(self) -> str:
+        """The software build, as the software column names it up to its first ';'. A
+        source's rows need not share one: lambda-2021 ran its A40 and A100 80GB in a later
+        container build than its other cards, lambda-2022 split its cards between two."""
+        return self.software.split(";")[0].strip()
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,10 @@ class MaxBatch:
     @property
     def shape(self) -> ModelShape:
         return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
+
+    @property
+    def activations(self) -> str | None:
+        return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
 
 
 def _rows(filename: str, text: str | None = None) -> list[dict[str, str]]:
@@ -126,7 +142,7 @@ def predict(row: Measurement, catalog: Catalog, efficiencies: dict[tuple[str, st
     buffers, the whole memory)."""
     device = catalog.device(row.gpu)
     cost = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
-                       attention=row.attention, efficiencies=efficiencies)
+                       attention=row.attention, efficiencies=efficiencies, activations=row.activations)
     step = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch) + _update(row, device, cost)
     return row.gpus * row.accumulation * row.micro_batch / step
 
@@ -157,7 +173,7 @@ class _Parts:
     def of(cls, row: Measurement, catalog: Catalog) -> "_Parts":
         device = catalog.device(row.gpu)
         unit = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
-                           attention=row.attention, efficiency=1.0)
+                           attention=row.attention, efficiency=1.0, activations=row.activations)
         seconds = matmul_seconds(device, row.shape, row.seq, row.precision, 1.0)
         return cls(row, efficiency_keys(device, row.precision), seconds,
                    matmul_seconds(device, row.shape, row.seq, row.precision, 1.0, 1.0) - seconds,
@@ -176,7 +192,13 @@ def predicted_cap(row: MaxBatch, catalog: Catalog) -> int:
     shape, storage = row.shape, STORAGE[row.precision]
     state = shape.parameters(row.seq) * STATE_BYTES_PER_PARAMETER[storage] + CONTEXT_BYTES
     return micro_batch_cap(device.memory_gib * 2**30, state,
-                           shape.activation_bytes_per_sample(row.seq, storage, row.attention))
+                           shape.activation_bytes_per_sample(row.seq, row.activations or storage, row.attention))
+
+
+def predicted_cap_of_run(row: Measurement, catalog: Catalog) -> int:
+    """predicted_cap for the card, model and precision a measurement ran."""
+    return predicted_cap(MaxBatch(row.source, row.gpu, row.model, row.task, row.seq, row.precision, row.attention, 0,
+                                  row.software, row.citation), catalog)
 
 
 def _fit_one(parts: Sequence[_Parts], simt_share: float) -> tuple[float, float]:
@@ -265,12 +287,13 @@ class PairError:
         return ratio - 1 if ratio >= 1 else 1 / ratio - 1
 
 
-def relative_errors(predictions: Sequence[Prediction]) -> list[PairError]:
+def relative_errors(predictions: Sequence[Prediction], same_build: bool = False) -> list[PairError]:
     """Every pair of different GPU kinds within one source and workload, each at the
-    precision it ran (a mixed cluster runs every card at its own)."""
+    precision it ran (a mixed cluster runs every card at its own); with same_build, only
+    pairs run in the same software build (whose ratio holds no software factor)."""
     groups: dict[tuple, list[Prediction]] = {}
     for p in predictions:
-        groups.setdefault(p.row.workload, []).append(p)
+        groups.setdefault((*p.row.workload, p.row.build if same_build else ""), []).append(p)
     return [PairError(a, b) for members in groups.values() for a, b in itertools.combinations(members, 2)
             if a.row.gpu != b.row.gpu]
 
@@ -298,7 +321,7 @@ def weak_scaling(rows: Sequence[Measurement], catalog: Catalog,
             continue
         device = catalog.device(row.gpu)
         cost = device_cost(device, row.shape, row.seq, row.precision, wire_bytes=0, memory_fraction=1.0,
-                           attention=row.attention, efficiencies=efficiencies)
+                           attention=row.attention, efficiencies=efficiencies, activations=row.activations)
         compute = row.accumulation * (cost.fixed + cost.per_sample * row.micro_batch)
         step = compute + _update(row, device, cost)
         wire = 2 if STORAGE[row.precision] != "fp32" else 4

@@ -11,24 +11,38 @@ The counts are per sample of `seq` tokens:
 - FLOPs of forward + backward: 6 per parameter that multiplies (every parameter but
   the position table) per token, plus attention's score and value products,
   12·L·h·seq per token (the PaLM paper's count);
-- activation bytes, per token: what autograd keeps for backward — per layer 38h under
-  autocast (fp32 residual stream and norm inputs, 16-bit copies of matmul inputs, q/k/v
-  and the attention output, the 4h-wide MLP activations) or 68h in fp32, attention
-  kernels that never store the seq×seq score matrix being assumed (PyTorch's SDPA
-  picks one on every GPU from sm_50); for the head, the fp32 log-softmax (4 bytes per
-  vocabulary entry) and its inputs (6h or 8h) — plus, at the peak in backward, the
-  fp32 gradients of the log-softmax and of the logits (8 bytes per vocabulary entry).
-  tests/test_plan_model.py checks the kept part against autograd's saved tensors.
+- activation bytes, per token: what autograd keeps for backward — per layer, for the
+  GPT model, 38h under autocast (fp32 residual stream and norm inputs, 16-bit copies of
+  matmul inputs, q/k/v and the attention output, the 4h-wide MLP activations) or 68h in
+  fp32; for BERT (post-norm, three dropouts per layer, each keeping a 1-byte mask) 42h
+  under autocast or 66h in fp32 — attention kernels that never store the seq×seq score
+  matrix being assumed (PyTorch's SDPA picks one on every GPU from sm_50); outside the
+  layers, the embeddings' and head's inputs (GPT 6h or 8h, BERT 7h or 9h) and for a
+  vocabulary-wide head the fp32 log-softmax (4 bytes per vocabulary entry) — plus, at the
+  peak in backward, the fp32 gradients of the log-softmax and of the logits (8 bytes per
+  vocabulary entry). tests/test_plan_model.py checks the GPT counts against autograd's
+  saved tensors; tests/test_plan_memory.py the BERT ones against a transformers
+  BertForQuestionAnswering (hetcomm.plan.saved_bytes; benchmarks/bench_bert_memory.py at
+  full size: within 0.2%).
   With attention="eager" (code that computes softmax(QKᵀ)V as separate kernels, as all
   BERT-era code does, HetSeq's included), each layer also keeps the seq×seq scores per
-  head: the softmax output, and with attention dropout (BERT) its mask and output.
+  head: the softmax output, in fp32 (autocast runs softmax in fp32), the 16-bit copy the
+  next matmul keeps under autocast, and with attention dropout (BERT) its 1-byte mask
+  and, in fp32, its output: 9 bytes per score for BERT in fp32, 7 under autocast. Apex's
+  amp O2 (precision "o2" here: BERT only), which casts the whole model to fp16, keeps 34h
+  per layer, 5h outside and 5 bytes per score.
 """
 
 import re
 from dataclasses import dataclass
 
-LAYER_ACTIVATION_BYTES = {"fp32": 68, "fp16": 38, "bf16": 38}   # × h per token per layer
-HEAD_INPUT_BYTES = {"fp32": 8, "fp16": 6, "bf16": 6}             # × h per token
+# × h per token: per layer, and outside the layers (embeddings, head inputs), per model kind.
+# "o2": BERT with the whole model cast to fp16, as apex's amp O2 runs it (softmax and
+# LayerNorm in fp16 too), what every fp16 row of measurements.csv ran; measured like the rest.
+LAYER_ACTIVATION_BYTES = {"gpt": {"fp32": 68, "fp16": 38, "bf16": 38},
+                          "bert": {"fp32": 66, "fp16": 42, "bf16": 42, "o2": 34}}
+HEAD_INPUT_BYTES = {"gpt": {"fp32": 8, "fp16": 6, "bf16": 6},
+                    "bert": {"fp32": 9, "fp16": 7, "bf16": 7, "o2": 5}}
 LOG_SOFTMAX_BYTES, LOSS_GRADIENT_BYTES = 4, 8                    # × vocabulary per token
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 ATTENTIONS = ("fused", "eager")
@@ -94,18 +108,24 @@ class ModelShape:
 
     def score_bytes_per_token(self, seq: int, precision: str) -> float:
         """Per token and layer, what eager attention keeps of the seq×seq scores: the
-        softmax output, and with BERT's attention dropout its 1-byte mask and output."""
-        element = ELEMENT_BYTES[precision]
-        per_score = 2 * element + 1 if self.kind == "bert" else element
+        softmax output in fp32; under autocast the next matmul's 16-bit copy of it;
+        with BERT's attention dropout its 1-byte mask and, in fp32, its output."""
+        if precision == "o2":   # all in fp16: softmax output, dropout mask and output
+            return float(self.n_head * seq * (2 + 1 + 2))
+        per_score = 4.0
+        if precision != "fp32":
+            per_score += ELEMENT_BYTES[precision]
+        if self.kind == "bert":
+            per_score += 1 + (4 if precision == "fp32" else 0)
         return float(self.n_head * seq * per_score)
 
     def saved_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused") -> float:
         """What autograd keeps from forward for backward."""
         h = self.n_embd
-        layer = LAYER_ACTIVATION_BYTES[precision] * h
+        layer = LAYER_ACTIVATION_BYTES[self.kind][precision] * h
         if attention == "eager":
             layer += self.score_bytes_per_token(seq, precision)
-        per_token = (self.n_layer * layer + HEAD_INPUT_BYTES[precision] * h
+        per_token = (self.n_layer * layer + HEAD_INPUT_BYTES[self.kind][precision] * h
                      + LOG_SOFTMAX_BYTES * self.vocab_size * self._head_tokens())
         return float(per_token * seq)
 
