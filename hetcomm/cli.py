@@ -2,10 +2,21 @@
 
 import argparse
 import json
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # The reader went away (`hetcomm plan --list-devices | head`): what it wanted was
+        # printed. Point stdout at /dev/null so that Python's flush at exit stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="hetcomm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, built back ends, kernels per op, devices (JSON)")

@@ -211,3 +211,15 @@ def test_a_rank_s_failure_is_one_line_naming_the_rank(files, monkeypatch, capfd)
             assert err.endswith(line + "\n")
         else:
             assert err == line + " (--debug prints its traceback)\n"
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """`hetcomm plan --list-devices | head -1`: the reader closes the pipe early (here at
+    once, before the command prints); it stops without a BrokenPipeError traceback, status 0."""
+    import subprocess
+    import sys
+    job = subprocess.Popen([sys.executable, "-m", "hetcomm", "plan", "--list-devices"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    job.stdout.close()
+    assert job.wait(timeout=60) == 0
+    assert b"Traceback" not in job.stderr.read()
