@@ -20,6 +20,7 @@ throughputs, the least any method that gives each window to one rank can take.
 
     python benchmarks/bench_hetero_cluster.py                 # ~9 minutes on 2 cores
     python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
+    python benchmarks/bench_hetero_cluster.py --out benchmarks/results --run 1   # one of three repeats
 """
 
 import argparse
@@ -33,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from result_files import add_out_arguments, write_results
 
 from hetcomm.balance import solve_split
 from hetcomm.train.config import DEFAULT_CPU_SPEEDS
@@ -89,6 +91,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", help="also write the results here, with every run's step log")
+    add_out_arguments(parser)
     args = parser.parse_args()
     slowdown_step = args.steps // 2
     rows = []
@@ -120,21 +123,23 @@ def main():
                          "reduction_vs_equal": 1 - whole / equal_seconds, "over_ideal": whole / ideal - 1,
                          "over_own_ideal": None})
     tokens = args.steps * GLOBAL_BATCH * 128
-    print(f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-thread "
-          f"CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, scaled to "
-          f"keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of {GLOBAL_BATCH} "
-          f"windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training (sum of step "
-          f"times; process start-up excluded).\n")
-    print("| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
-          "ideal bound |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-"
+             f"thread CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, "
+             f"scaled to keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of "
+             f"{GLOBAL_BATCH} windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training "
+             f"(sum of step times; process start-up excluded).", "",
+             "| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
+             "ideal bound |", "|---|---|---|---|---|---|"]
     for r in rows:
         own = f"{100 * r['over_own_ideal']:+.1f}%" if r["over_own_ideal"] is not None else "-"
-        print(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | "
-              f"{100 * r['reduction_vs_equal']:.0f}% | {100 * r['over_ideal']:+.1f}% | {own} |")
+        lines.append(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | "
+                     f"{100 * r['reduction_vs_equal']:.0f}% | {100 * r['over_ideal']:+.1f}% | {own} |")
+    text = "\n".join(lines)
+    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-
+    if args.out:
+        write_results(args.out, "hetero_cluster", text, rows, run=args.run)
 
 if __name__ == "__main__":
     main()
