@@ -287,6 +287,16 @@ def run_cli(capsys, *args):
     return code, capsys.readouterr().out
 
 
+def test_a_cluster_slower_than_its_fastest_card_says_so(capsys):
+    """BERT-large's 1.3 GB of gradients over 1 Gbit/s Ethernet: the all-reduce outweighs
+    what the other cards add. Amdahl's fraction would be negative there; the report says
+    the cluster is slower instead."""
+    code, out = run_cli(capsys, "--cluster", "2x1080ti,1xv100,4xt4", "--net", "1gbe", "--model", "bert-large-qa",
+                        "--seq", "384", "--global-batch", "64")
+    assert code == 0
+    assert "SLOWER than one Tesla V100" in out and "Amdahl parallel fraction" not in out
+
+
 def test_command_line_text_and_json(capsys):
     code, out = run_cli(capsys, "--cluster", "2x1080ti,1xv100,4xt4", "--net", "10gbe", "--model", "gpt2-124m",
                         "--global-batch", "512", "--seq", "1024")

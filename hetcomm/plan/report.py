@@ -94,9 +94,15 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
                  f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank) + update {_seconds(plan.update_s)}")
     lines.append(f"  {plan.tokens_per_s:,.0f} tokens/s; {plan.speedup_over_equal:.2f}x the speed of an equal split "
                  f"({_seconds(plan.equal_step_s)} per step)")
-    fraction = plan.parallel_fraction
-    amdahl = (f"Amdahl parallel fraction {fraction:.2f} (speed-up {plan.single_device_s / plan.step_s:.1f}x over "
-              f"one {plan.single_device} alone)") if fraction is not None else "one device: no parallel fraction"
+    fraction, speedup = plan.parallel_fraction, plan.single_device_s / plan.step_s
+    if fraction is None:
+        amdahl = "one device: no parallel fraction"
+    elif speedup < 1:   # Amdahl's p would be negative: the cluster loses to one card
+        amdahl = (f"SLOWER than one {plan.single_device} alone ({speedup:.2f}x its speed): the all-reduce costs more "
+                  f"than the other cards add")
+    else:
+        amdahl = (f"Amdahl parallel fraction {fraction:.2f} (speed-up {speedup:.1f}x over one "
+                  f"{plan.single_device} alone)")
     lines.append(f"  communication {plan.comm_share:.0%} of the step; {amdahl}")
     for slow in plan.slow_cards:
         which = f"one {slow.label}" if slow.removed == 1 else f"all {slow.removed} {slow.label}"
