@@ -4,14 +4,13 @@ saved-tensor hooks (hetcomm.plan.saved_bytes), against the planner's activation 
 (hetcomm.plan.model_shape), eager and fused attention, fp32 and autocast.
 
     python benchmarks/bench_bert_memory.py                       # ~5 min on 2 cores
-    python benchmarks/bench_bert_memory.py --out benchmarks/results/bert_memory_2026-12-01
+    python benchmarks/bench_bert_memory.py --out benchmarks/results   # bert_memory_cpu_<date>.{md,json}
 """
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+from result_files import add_out_arguments, write_results
 
 from hetcomm.plan.model_shape import PRESETS
 from hetcomm.plan.saved_bytes import measure_bert
@@ -21,7 +20,7 @@ SEQS = (128, 384)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="write OUT.md and OUT.json")
+    add_out_arguments(parser)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,8 +50,7 @@ def main() -> None:
             "Dropout keeps CUDA's 1-byte mask.\n\n"
             + "\n".join(lines) + "\n")
     if args.out:
-        Path(args.out + ".md").write_text(text)
-        Path(args.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
+        write_results(args.out, "bert_memory", text, record, run=args.run)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ Targets (issue 18): relative within 15% on average, at most 30%; absolute within
 on average; TF32 and fp16-on-Pascal rows within 30%; maximum batch sizes within 25%.
 
     python benchmarks/bench_cost_model.py                     # table on stdout, ~10 s
-    python benchmarks/bench_cost_model.py --out benchmarks/results/cost_model_2026-12-01
+    python benchmarks/bench_cost_model.py --out benchmarks/results   # cost_model_cpu_<date>.{md,json}
 """
 
 import argparse
-import json
-from pathlib import Path
+from result_files import add_out_arguments, write_results
 
 from hetcomm.plan.catalog import load_catalog
 from hetcomm.plan.cost import all_reduce_cost, math_of
@@ -138,13 +137,13 @@ def report() -> tuple[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="write OUT.md and OUT.json")
+    add_out_arguments(parser)
     args = parser.parse_args()
     text, record = report()
     print(text)
     if args.out:
-        Path(args.out + ".md").write_text("# Cost model against published measurements\n\n" + text)
-        Path(args.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
+        write_results(args.out, "cost_model", "# Cost model against published measurements\n\n" + text, record,
+                      run=args.run)
 
 
 if __name__ == "__main__":
