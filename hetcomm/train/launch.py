@@ -67,7 +67,7 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
     kind = (f"SIMULATED cluster of {world} CPU workers (speed factors {config.speeds}"
             + (f", slowdowns {', '.join(config.slowdown)}" if config.slowdown else "") + ")") \
         if summary["simulated"] else f"{world} ranks"
-    print(f"\nhetcomm train: {kind}: {summary['steps']} steps in {summary['seconds']:.0f} s")
+    print(f"\nhetcomm train: {kind}: {summary['steps']} steps in {summary['seconds']:.3g} s")
     phases = summary["phases"]
     for name, phase in phases.items():
         print(f"  {name:<14} {phase['steps']:>4} steps, median {phase['median_step_s']:.3f} s per step")
