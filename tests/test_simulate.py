@@ -68,6 +68,14 @@ def test_settle_brings_the_stretch_up_to_now_and_the_phase_totals_the_same(monke
         clocks.run(cpu=0.2, waited=0.0)
     assert clocks.wall == pytest.approx(1.2)
     assert clocks.slept == [pytest.approx(0.3), pytest.approx(0.6)]
+    # A wait for a core in the first part, longer than that part's stretch, still counts
+    # against the whole phase's: 0.2 s of CPU at half speed is 0.4 s, already passed by 0.5.
+    clocks.slept.clear()
+    with SimulatedSpeed(rank=0, speed=0.5).compute(step=0) as settle:
+        clocks.run(cpu=0.1, waited=0.3)
+        settle()
+        clocks.run(cpu=0.1, waited=0.0)
+    assert clocks.slept == []
 
 
 def test_fit_to_cores_scales_down_never_up():

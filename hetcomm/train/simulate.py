@@ -100,17 +100,17 @@ class SimulatedSpeed:
         """Around a compute phase of `step`: afterwards, waits until the phase has taken
         the time it needed divided by the speed factor. It yields a settle() that does
         the same for the phase so far, so that a time read within the phase (the
-        handoff's timed forward) is at the simulated speed too. A factor above 1 cannot
-        make it faster than it was."""
+        handoff's timed forward) is at the simulated speed too; both count from the
+        phase's start, so a wait for a core early in the phase still counts against the
+        stretch owed later, as with no settle at all. A factor above 1 cannot make it
+        faster than it was."""
         clock: Callable[[], float] = _cpu_seconds_per_thread if self.device_type == "cpu" else time.perf_counter
-        since = [time.perf_counter(), clock()]   # wall and needed time where the last settle left off
+        wall, needed = time.perf_counter(), clock()
 
         def settle() -> None:
-            needed = clock() - since[1]
-            remaining = needed / self.factor(step) - (time.perf_counter() - since[0])
+            remaining = (clock() - needed) / self.factor(step) - (time.perf_counter() - wall)
             if remaining > 0:
                 time.sleep(remaining)
-            since[:] = [time.perf_counter(), clock()]
 
         yield settle
         settle()
