@@ -154,6 +154,23 @@ def test_a_throttled_rank_is_rebalanced_and_the_gradient_stays_exact(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+def train_throttled_in_micro_batches(rank, world, throttle_step):
+    """Shares of 8 in micro-batches of 2 until rank 1 slows to 0.3 of its speed: its first
+    micro-batch's forward already says so, and it keeps a part of its share."""
+    speed = SimulatedSpeed(rank, 0.05, (Slowdown(1, throttle_step, 0.3),))
+    return train_in_loop(rank, world, throttle_step + 2, {"simulated_speed": speed, "memory_caps": [2, 2]})
+
+
+def test_a_giver_in_micro_batches_keeps_part_of_its_share_and_the_gradient_stays_exact(tmp_path):
+    losses, weights, done = values(run_ranks(2, train_throttled_in_micro_batches, 6, tmp_path=tmp_path))[0]
+    assert all(sum(d) == GLOBAL_BATCH for d in done)
+    assert 0 < done[6][1] < GLOBAL_BATCH // 2 and done[6][0] > GLOBAL_BATCH // 2   # handed off within step 6
+    expected_losses, expected = one_process(len(losses))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def misuse(rank, world, how):
     model = TinyTagger()
     if how == "different weights" and rank == 1:
