@@ -109,7 +109,8 @@ def simulated_speed(rank: int, world: int, device: torch.device, args) -> Simula
 
 class StepLog:
     """Rank 0's JSON line per step: the split, the samples each rank did and at what
-    rate, the step's wall time up to the next step, the loss."""
+    rate, its compute seconds and its previous step's reduce and update seconds, the
+    step's wall time up to the next step, the loss."""
 
     def __init__(self, path: str | None, rank: int):
         self.file = open(Path(path), "w") if path and rank == 0 else None
@@ -125,5 +126,8 @@ class StepLog:
         self.file.write(json.dumps({"step": result.number, "phase": result.regime, "loss": result.loss,
                                     "micro_batch": list(result.split), "samples": samples,
                                     "samples_per_second": rates, "step_s": seconds,
+                                    "compute_s": [r.compute_s for r in result.ranks],
+                                    "previous_reduce_s": [r.previous_reduce_s for r in result.ranks],
+                                    "previous_update_s": [r.previous_update_s for r in result.ranks],
                                     "handoff": None if result.handoff is None else result.handoff.moved}) + "\n")
         self.file.flush()
