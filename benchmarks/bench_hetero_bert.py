@@ -32,15 +32,19 @@ from hetcomm.train.config import DEFAULT_CPU_SPEEDS
 from hetcomm.train.simulate import speeds_for_this_machine
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_bert_mlm.py"
-GLOBAL_BATCH = 64
-MODEL = ["--size", "small", "--seq", "128", "--global-batch", str(GLOBAL_BATCH), "--dropout", "0", "--no-log"]
+# 128 samples make a step of ~0.9 s here. At 64 (a 0.46 s step) the all-reduce and update alone
+# (~30 ms, 4-5 Gloo collectives among 4 processes on 2 cores) were 6.5% of a step and whole
+# samples 2.5%, both outside the ideal bound whatever the split (results: hetero_bert_b64_*).
+GLOBAL_BATCH = 128
+MODEL = ["--size", "small", "--seq", "128", "--dropout", "0", "--no-log"]
 STRATEGIES = {"equal split": "equal", "static split (first step's timing)": "static",
               "hetcomm dynamic": "dynamic"}
 
 
-def run(balance: str, steps: int, slowdown: str | None, log: Path) -> list[dict]:
+def run(balance: str, steps: int, global_batch: int, slowdown: str | None, log: Path) -> list[dict]:
     command = [sys.executable, str(EXAMPLE), "--nproc", "4", "--speeds", speeds_for_this_machine(DEFAULT_CPU_SPEEDS),
-               "--steps", str(steps), "--balance", balance, "--log-json", str(log), *MODEL]
+               "--steps", str(steps), "--global-batch", str(global_batch), "--balance", balance, "--log-json",
+               str(log), *MODEL]
     if slowdown:
         command += ["--slowdown", slowdown]
     subprocess.run(command, check=True, capture_output=True, text=True)
@@ -51,6 +55,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="samples per step over all ranks")
     parser.add_argument("--json", help="also write every run's figures and step log here")
     add_out_arguments(parser)
     args = parser.parse_args()
@@ -59,7 +64,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
-                logs = {label: run(balance, args.steps, slowdown, Path(tmp) / f"{repeat}-{balance}-{bool(slowdown)}")
+                logs = {label: run(balance, args.steps, args.global_batch, slowdown,
+                                   Path(tmp) / f"{repeat}-{balance}-{bool(slowdown)}")
                         for label, balance in STRATEGIES.items()}
                 ideal = ideal_seconds(logs["hetcomm dynamic"], slowdown_step if slowdown else None)
                 for label, log in logs.items():
@@ -70,7 +76,7 @@ def main():
     head = (f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one "
             f"{torch.get_num_threads()}-thread CPU machine: 4 Gloo workers, speed factors "
             f"{speeds_for_this_machine(DEFAULT_CPU_SPEEDS)} (relative 1 : 1 : 0.5 : 0.25), HF BertForMaskedLM "
-            f"4x128, {args.steps} steps of {GLOBAL_BATCH} samples x 128 tokens, {args.repeats} repeat(s), "
+            f"4x128, {args.steps} steps of {args.global_batch} samples x 128 tokens, {args.repeats} repeat(s), "
             f"torch {torch.__version__}. Seconds of training (sum of step times).")
     whole = ("The same runs against the ideal bound in whole samples (each step at the best split of its "
              "samples into whole ones at the dynamic run's median throughputs: what no method that gives each "
@@ -80,7 +86,7 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
     if args.out:
-        write_results(args.out, "hetero_bert", text, runs, run=args.run)
+        write_results(args.out, "hetero_bert", text, runs, variant=f"b{args.global_batch}", run=args.run)
 
 
 def table(runs: list[dict], whole_from: int | None = None) -> str:
