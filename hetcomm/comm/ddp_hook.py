@@ -62,8 +62,9 @@ class WeightedHookState:
         self.loss_scale = loss_scale
 
     def grad_norm(self) -> Tensor:
-        """L2 norm of the whole reduced, unscaled gradient of the last backward."""
-        return self.sq_norm.sqrt()
+        """L2 norm of the whole reduced, unscaled gradient of the last backward (0-dim,
+        as torch.nn.utils.clip_grads_with_norm_ takes it)."""
+        return self.sq_norm.sqrt().reshape(())
 
     def _begin_step(self, device: torch.device) -> None:
         """At the first bucket of a backward: agree on the weights (every rank raises

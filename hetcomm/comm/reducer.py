@@ -25,7 +25,7 @@ class ReduceResult:
     all-reduced data."""
 
     found_inf: Tensor   # 1-element fp32: 1 if any reduced gradient is ±inf/NaN (skip the step)
-    grad_norm: Tensor   # 1-element fp32: L2 norm of the whole reduced, unscaled gradient
+    grad_norm: Tensor   # 0-dim fp32: L2 norm of the whole reduced, unscaled gradient (torch's clip API takes it)
     weight: float       # this rank's weight n_i / N
     total: float        # N when counts were given, else the sum of the weights
     gathered: list[list[float]] | None = None  # per rank, the gather= values it passed (gather_size > 0)
@@ -329,8 +329,8 @@ class WeightedReducer:
                 if self.masters is not None:
                     self.masters[id(p)].grad = None
         self._step = None
-        return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt(), weight=step.share.weight,
-                            total=step.share.total, gathered=step.share.gathered)
+        return ReduceResult(found_inf=step.found_inf, grad_norm=step.sq_norm.sqrt().reshape(()),
+                            weight=step.share.weight, total=step.share.total, gathered=step.share.gathered)
 
     def _check_masters(self, masters: list[Tensor]) -> dict[int, Tensor]:
         """master_params by the id of the parameter each stands for, after checking that
