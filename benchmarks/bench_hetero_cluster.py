@@ -18,7 +18,7 @@ own, since a shared machine's speed drifts between runs minutes apart. Beside it
 same bound in whole windows: each step at the best integer split of its windows at those
 throughputs, the least any method that gives each window to one rank can take.
 
-    python benchmarks/bench_hetero_cluster.py                 # ~9 minutes on 2 cores
+    python benchmarks/bench_hetero_cluster.py                 # ~5 minutes on 2 cores
     python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
     python benchmarks/bench_hetero_cluster.py --out benchmarks/results --run 1   # one of three repeats
 """
