@@ -100,7 +100,6 @@ class LoopStep:
         self._state = "new"
         self._awaiting: int | None = None   # the size of the micro-batch yielded and not yet backward'ed
         self._reporting: _Reporting | None = None   # this step's handoff report, when it has one
-        self._reporting_due = False         # the next backward call is the first micro-batch's: report first
         self._cut: str | None = None        # a giver's plan ends its run: "dropped" or "kept" its first micro-batch
         self._started = 0.0                 # when the current run began
         self._settle = _no_stretch          # brings the simulated speed's stretch up to now
@@ -226,7 +225,6 @@ class LoopStep:
         model = loop.rebalancer.rebalancer.model()
         planned = predict_rank_times(loop.sampler.drawn_shares, model, loop.caps)
         self._reporting = _Reporting(len(indices), model[rank][1], planned[rank], max(planned))
-        self._reporting_due = bool(indices)
         if not indices:
             self._post_report(handoff.report(0, 0.0, 0, None, model[rank][1], 0.0, max(planned)))
         seconds = yield from self._run(indices)
@@ -256,7 +254,7 @@ class LoopStep:
         sends the report and, for a giver, reads the plan at once. A giver that keeps
         fewer samples than the micro-batch holds drops it (no backward); one that keeps
         more backs it up; either then does only the samples it keeps."""
-        mine, self._reporting_due = self._reporting, False
+        mine = self._reporting
         self._settle()
         self._device_done()
         mine.first, mine.forward_seconds = self._awaiting, time.perf_counter() - self._started
@@ -308,7 +306,7 @@ class LoopStep:
             raise ValueError(f"step.backward: the loop was given items_per_sample={per_sample}, which fixes the "
                              f"count; pass no count")
         count = self._awaiting * (per_sample or 1) if count is None else _checked_count(count)
-        if self._reporting_due:
+        if self._reporting is not None and self._reporting.report is None:   # the share's first micro-batch
             self._report_forward()
         self._awaiting = None
         if self._cut == "dropped":
