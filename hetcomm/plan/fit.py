@@ -111,11 +111,52 @@ class MaxBatch:
 
     @property
     def shape(self) -> ModelShape:
-        return PRESETS[self.model if self.task == "mlm" else f"{self.model}-{self.task}"]
+        return _preset(self.model, self.task)
 
     @property
     def activations(self) -> str | None:
         return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
+
+
+@dataclass(frozen=True)
+class BatchBound:
+    """Published runs that bound the largest micro-batch from both sides: `ran`, the
+    largest micro-batch the source ran, and `failed`, the smallest it reports running
+    out of memory (0: none reported). The maximum lies in [ran, failed - 1]."""
+
+    source: str
+    gpu: str
+    model: str
+    task: str           # qa, mlm, or cls (sequence classification: a small head, as qa's)
+    seq: int
+    precision: str
+    attention: str
+    ran: int
+    failed: int
+    software: str
+    citation: str
+
+    @property
+    def shape(self) -> ModelShape:
+        return _preset(self.model, self.task)
+
+    @property
+    def activations(self) -> str | None:
+        return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
+
+    def error(self, cap: int) -> float:
+        """How far `cap` lies outside [ran, failed - 1], relative to the bound it
+        crosses: 0 inside, positive above, negative below."""
+        if self.failed and cap >= self.failed:
+            return cap / (self.failed - 1) - 1
+        return min(0.0, cap / self.ran - 1)
+
+
+def _preset(model: str, task: str) -> ModelShape:
+    """The BERT preset of a task: pre-training's MLM + NSP heads, or SQuAD's span
+    head, whose memory and FLOPs a sequence classifier's head (the [CLS] token's
+    pooler and a few logits) matches to well under 1%."""
+    return PRESETS[model if task == "mlm" else f"{model}-{'qa' if task == 'cls' else task}"]
 
 
 def _rows(filename: str, text: str | None = None) -> list[dict[str, str]]:
@@ -135,6 +176,12 @@ def load_measurements(text: str | None = None) -> list[Measurement]:
 def load_max_batches(text: str | None = None) -> list[MaxBatch]:
     return [MaxBatch(**{k: int(v) if k in ("seq", "max_batch") else v for k, v in row.items()})
             for row in _rows("max_batch.csv", text)]
+
+
+def load_batch_bounds(text: str | None = None) -> list[BatchBound]:
+    """batch_bounds.csv (or `text` in its format); an empty `failed` reads as 0."""
+    return [BatchBound(**{k: int(v or 0) if k in ("seq", "ran", "failed") else v for k, v in row.items()})
+            for row in _rows("batch_bounds.csv", text)]
 
 
 def predict(row: Measurement, catalog: Catalog, efficiencies: dict[tuple[str, str], float]) -> float:
@@ -186,7 +233,7 @@ class _Parts:
         return math.log(predicted / self.row.throughput)
 
 
-def predicted_cap(row: MaxBatch, catalog: Catalog) -> int:
+def predicted_cap(row: MaxBatch | BatchBound, catalog: Catalog) -> int:
     """The largest micro-batch the model says fits on the whole card, single GPU."""
     device = catalog.device(row.gpu)
     shape, storage = row.shape, STORAGE[row.precision]
