@@ -67,6 +67,22 @@ def test_two_stalled_steps_end_where_they_began():
     assert rebalancer.speeds[1] == pytest.approx(SPEEDS[1], rel=0.05)
 
 
+def test_the_split_follows_a_confirmed_shift_at_once():
+    # Rank 0 throttles to a third; the step it starts in measures it at half its speed (it
+    # slowed within that step). The trial's split follows that first measurement; the next
+    # one confirms the shift at the two measurements' geometric mean, and the split follows
+    # that too at once, not after the cool-down the trial's change started.
+    slowed = [SPEEDS[0] / 3] + SPEEDS[1:]
+    halfway = [SPEEDS[0] / 2] + SPEEDS[1:]
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    decisions = simulate(rebalancer, lambda step: SPEEDS if step < 50 else halfway if step == 50 else slowed,
+                         steps=60, noise=0.0)
+    assert [step for step, d in enumerate(decisions) if d.changed][:2] == [50, 51]
+    settled = [SPEEDS[0] * math.sqrt(1 / 6)] + SPEEDS[1:]
+    assert decisions[51].sizes == solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in settled]).sizes
+    assert true_step_time(decisions[51].sizes, slowed) < true_step_time(decisions[50].sizes, slowed)
+
+
 def test_no_trial_below_the_shift_bound():
     rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
     dip = lambda step: [s / 1.2 if step == 30 and i == 1 else s for i, s in enumerate(SPEEDS)]  # noqa: E731

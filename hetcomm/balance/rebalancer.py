@@ -38,10 +38,12 @@ or a stall) moves the estimate to it on trial, and the split follows on the next
 if that gains more than the threshold, with no patience and no cool-down. The rank's
 next measurement settles the trial: still as far on the same side, the shift is real
 and the estimate stays at the two measurements' geometric mean (and a new mean starts
-from them); otherwise it was a stall, and the estimate (and with it the split) goes
-back. A throttling card so costs one slow step instead of several, and a stall two
-steps at a split that is off by the stall's share; a slow step costs far more than a
-slightly uneven one.
+from them), which the split follows at once too, this time with the noise margin (the
+trial's first split rested on one measurement, and the cool-down it started would
+hold a card that throttled one sample too heavy for several steps); otherwise it was a
+stall, and the estimate (and with it the split) goes back. A throttling card so costs
+one slow step instead of several, and a stall two steps at a split that is off by the
+stall's share; a slow step costs far more than a slightly uneven one.
 """
 
 import math
@@ -133,6 +135,7 @@ class Rebalancer:
         self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
         self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
+        self.settled = False                 # a shift was confirmed in the last update
         self.steps_since_change = 0
         self.streak = 0                      # consecutive decisions that found a gain above threshold
         self.adopt(sizes)
@@ -164,7 +167,7 @@ class Rebalancer:
         predicted = predict_rank_times(tuple(done), self.profiles, self.memory_caps, self.policy)
         speeds = {i: predicted[i] / compute_times[i] for i in measured}
         common, unbias = self._common_deviation(speeds)
-        self.shifted = False
+        self.shifted = self.settled = False
         for i in measured:
             self._measure(i, speeds[i], common, unbias)
         self.steps_since_change += 1
@@ -192,7 +195,7 @@ class Rebalancer:
             self.trial_from[i], self.speeds[i] = None, before
             if self._beyond_shift_bound(i, speed) and (speed > before) == (jumped > before):
                 self.speeds[i] = math.sqrt(jumped * speed)   # confirmed: the shift's two measurements
-                self.recent[i], self.level_count[i] = [jumped, speed], 2
+                self.recent[i], self.level_count[i], self.settled = [jumped, speed], 2, True
                 return
             self.shifted = True                              # a stall: back to the estimate from before
         if self.recent[i] and self._beyond_shift_bound(i, speed):
@@ -243,7 +246,8 @@ class Rebalancer:
     def decide(self) -> RebalanceDecision:
         """Solves for the best split under the current estimates; proposes it when its
         predicted gain has beaten the required gain for `patience` consecutive steps
-        outside the cool-down, or right after a level shift when it beats the threshold.
+        outside the cool-down, or right after a level shift when it beats the threshold
+        (after a shift is confirmed, the required gain).
         Does not adopt it: call adopt with the decision's sizes."""
         model = self.model()
         solve = partial(solve_split, self.global_batch, memory_caps=self.memory_caps, policy=self.policy,
@@ -266,7 +270,7 @@ class Rebalancer:
             predicted, confident, best = min(candidates, key=lambda candidate: candidate[1])   # the first on a tie
             gain = current / predicted - 1
             required = self.threshold + gain - (current / confident - 1)
-        if self.shifted and gain > required:
+        if (self.shifted or self.settled) and gain > required:
             self.streak = self.patience
         elif self.steps_since_change < self.cooldown or gain <= required:
             self.streak = 0
@@ -301,7 +305,7 @@ class Rebalancer:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
                 "level_count": list(self.level_count),
-                "trial_from": list(self.trial_from), "shifted": self.shifted,
+                "trial_from": list(self.trial_from), "shifted": self.shifted, "settled": self.settled,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
@@ -319,4 +323,5 @@ class Rebalancer:
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
         self.shifted = bool(state.get("shifted", False))
+        self.settled = bool(state.get("settled", False))
         self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])
