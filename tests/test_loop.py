@@ -13,6 +13,7 @@ from torch import nn
 
 from hetcomm.balance import WeightedDistributedSampler
 from hetcomm.loop import BalancedLoop
+from hetcomm.loop.batches import micro_batches
 from hetcomm.train.simulate import SimulatedSpeed, Slowdown
 
 SAMPLES, LENGTH, VOCAB, GLOBAL_BATCH, SEED = 96, 8, 16, 16, 3
@@ -171,6 +172,49 @@ def test_a_giver_in_micro_batches_keeps_part_of_its_share_and_the_gradient_stays
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("size, cap, first, runs", [
+    (10, None, None, [10]),
+    (10, None, 3, [3, 7]),
+    (10, 4, 3, [3, 4, 3]),
+    (10, 4, 4, [4, 4, 2]),       # a first run as large as the cap is the cap's
+    (10, None, 10, [10]),
+    (0, None, 3, []),
+])
+def test_micro_batches_cut_the_first_run_short_when_asked(size, cap, first, runs):
+    indices = list(range(100, 100 + size))
+    cut = micro_batches(indices, cap, first)
+    assert [len(run) for run in cut] == runs
+    assert [i for run in cut for i in run] == indices
+
+
+def train_recording_micro_batches(rank, world, steps, part):
+    """Dynamic balancing at equal simulated speeds; each step's micro-batch sizes on this rank."""
+    model = TinyTagger()
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
+                        simulated_speed=SimulatedSpeed(rank, 0.05), handoff_report_part=part)
+    sizes = []
+    for step in loop.steps(steps):
+        sizes.append([])
+        for batch in step:
+            sizes[-1].append(len(batch["tokens"]))
+            loss, count = masked_loss(model, batch)
+            step.backward(loss, count=count)
+        step.reduce()
+    return sizes
+
+
+@pytest.mark.parametrize("part", [0.25, 1.0])
+def test_the_report_comes_after_a_first_micro_batch_of_the_given_part(tmp_path, part):
+    for sizes in values(run_ranks(2, train_recording_micro_batches, 7, part, tmp_path=tmp_path)):
+        # Step 0 is timed in parts. Steps 1-3 learn the forward's share of the compute, and
+        # until then the report names no giver and the share is one micro-batch; from step 4
+        # on, its first micro-batch holds `part` of it (rounded up).
+        assert all(len(share) == 1 for share in sizes[1:4])
+        for share in sizes[4:]:
+            assert share[0] == math.ceil(part * sum(share)), share
+            assert len(share) == (1 if part == 1.0 else 2)
+
+
 def misuse(rank, world, how):
     model = TinyTagger()
     if how == "different weights" and rank == 1:
@@ -226,6 +270,8 @@ BAD_ARGUMENTS = [
     ({"split": [15]}, "split = [15]: expected 1 non-negative integers adding up to global_batch = 16"),
     ({"memory_caps": [0]}, "memory_caps = [0]: expected one positive integer or None per rank"),
     ({"collate_fn": "stack"}, "collate_fn must be callable"),
+    ({"handoff_report_part": 0}, "handoff_report_part = 0: expected a part of a share in (0, 1]"),
+    ({"handoff_report_part": 1.5}, "handoff_report_part = 1.5: expected a part of a share in (0, 1]"),
 ]
 
 

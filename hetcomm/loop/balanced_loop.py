@@ -47,6 +47,13 @@ class BalancedLoop:
             the first split; 0 times the ranks on parts of the first step instead.
         handoff: with "dynamic", let a rank far behind within a step hand its remaining
             samples to the others in that step.
+        handoff_report_part: the most of its share a rank's first micro-batch holds in
+            a step with the handoff. That micro-batch's forward is what tells a straggler:
+            a smaller part reports it sooner, but costs one more micro-batch (its fixed
+            costs) on every step where the caps do not cut the share finer already. 1 (the
+            default): the first micro-batch as the caps cut it. On the simulated CPU
+            cluster (docs/benchmarks.md), 0.25 shortened BERT's throttled step from ~1.65 s
+            to ~1.2 s, but made GPT's steady steps 4.6% slower (8-sample shares).
         rebalance_threshold: adopt a new split only for this much less predicted step time.
         memory_caps: the largest micro-batch per rank (None: no cap); more becomes
             gradient accumulation. Default: probed on GPUs with `probe_forward`.
@@ -69,7 +76,7 @@ class BalancedLoop:
 
     def __init__(self, model: nn.Module, dataset, *, global_batch: int, collate_fn: Callable | None = None,
                  balance: str = "dynamic", split: Sequence[int] | None = None, equal_steps: int = 0,
-                 handoff: bool = True, rebalance_threshold: float = 0.01,
+                 handoff: bool = True, handoff_report_part: float = 1.0, rebalance_threshold: float = 0.01,
                  memory_caps: Sequence[int | None] | None = None, probe_forward: Callable | None = None,
                  precision: str = "auto", wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,
@@ -81,6 +88,9 @@ class BalancedLoop:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         _check_arguments(dataset, global_batch, self.world, balance, equal_steps, rebalance_threshold,
                          loss_scale, items_per_sample, precision, collate_fn, probe_forward)
+        if not (isinstance(handoff_report_part, (int, float)) and 0 < handoff_report_part <= 1):
+            raise ValueError(f"BalancedLoop: handoff_report_part = {handoff_report_part!r}: expected a part of a "
+                             f"share in (0, 1]")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("BalancedLoop: the model has no parameter that requires grad")
@@ -112,6 +122,7 @@ class BalancedLoop:
         self.time_first_step = not self.fixed_split and balance != "equal" and equal_steps == 0 \
             and len(dataset) >= global_batch
         self.handoff_enabled = handoff and balance == "dynamic" and not self.fixed_split
+        self.handoff_report_part = handoff_report_part
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
         # NCCL collective does not sit on the GPU waiting for the straggler's report.
         self.control_group = None

@@ -5,8 +5,11 @@ from collections.abc import Callable, Mapping
 import torch
 
 
-def micro_batches(indices: list[int], cap: int | None) -> list[list[int]]:
-    """`indices` in runs of at most `cap` (None: one run); nothing for no indices."""
+def micro_batches(indices: list[int], cap: int | None, first: int | None = None) -> list[list[int]]:
+    """`indices` in runs of at most `cap` (None: one run); nothing for no indices. With
+    `first`, the first run holds at most that many and the rest is cut as by itself."""
+    if first is not None and first < len(indices) and (cap is None or first < cap):
+        return [indices[:first], *micro_batches(indices[first:], cap)]
     if cap is None or len(indices) <= cap:
         return [indices] if indices else []
     return [indices[i:i + cap] for i in range(0, len(indices), cap)]

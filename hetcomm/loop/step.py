@@ -133,16 +133,17 @@ class LoopStep:
                 return indices
         raise RuntimeError("the sampler produced no step")
 
-    def _run(self, indices: list[int], timed: bool = True):
-        """Yields the micro-batches of `indices`; returns the seconds they took, waiting
-        for the device, stretched to the rank's simulated speed when timed. A giver's
-        handoff (see _report_forward) may end it after its first micro-batch."""
+    def _run(self, indices: list[int], timed: bool = True, first: int | None = None):
+        """Yields the micro-batches of `indices` (the first of at most `first` samples);
+        returns the seconds they took, waiting for the device, stretched to the rank's
+        simulated speed when timed. A giver's handoff (see _report_forward) may end it
+        after its first micro-batch."""
         loop = self.loop
         start = time.perf_counter()
         done = 0
         with loop.compute_context(self.number) if timed else nullcontext() as settle:
             self._started, self._settle = start, settle or _no_stretch
-            for micro in micro_batches(indices, loop.cap()):
+            for micro in micro_batches(indices, loop.cap(), first):
                 batch = loop.load(micro)
                 self._awaiting = len(micro)
                 yield batch
@@ -227,7 +228,10 @@ class LoopStep:
         self._reporting = _Reporting(len(indices), model[rank][1], planned[rank], max(planned))
         if not indices:
             self._post_report(handoff.report(0, 0.0, 0, None, model[rank][1], 0.0, max(planned)))
-        seconds = yield from self._run(indices)
+        # The report comes after the first micro-batch's forward: cut it short, once the
+        # forward can tell a straggler, so that the plan comes early in the step.
+        first = math.ceil(loop.handoff_report_part * len(indices)) if loop.forward_share.value() else None
+        seconds = yield from self._run(indices, first=first)
         mine = self._reporting
         kept = mine.plan.kept[rank] if mine.plan and mine.report.giver else len(indices)
         if self._cut is not None:   # a giver's plan: its kept samples past those done
