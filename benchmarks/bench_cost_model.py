@@ -21,6 +21,14 @@ from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_batch
                               weak_scaling)
 
 WORST_PAIRS = 8
+# The rows no documented cause explains (docs/planner.md, "What remains off"): lambda-2021's A40 in
+# TF32 runs at 0.67-0.78 of the same-chip A6000 while its fp16 rows, and the A4000 and A5000 in
+# the same container build, fit. Reported once without them; counted everywhere else.
+UNEXPLAINED = ("lambda-2021", "a40", "tf32")
+
+
+def _kind(row) -> tuple[str, str, str]:
+    return row.source, row.gpu, row.precision
 
 
 def percent(value: float) -> str:
@@ -46,10 +54,18 @@ def report() -> tuple[str, dict]:
                                      "pairs": len(theirs), "relative_mean": relative, "relative_max": relative_max}
     same = [e.error for e in relative_errors(predictions, same_build=True)]
     same_mean, same_max = summary(same)
-    lines += ["", f"Pairs run in the same software build only (lambda-2021 ran its A40 and A100 80GB in a later build "
-              f"than its other cards; lambda-2022 split its cards between two builds): {len(same)} pairs, relative "
-              f"mean {percent(same_mean)}, max {percent(same_max)}. The table above counts every pair."]
+    lines += ["", f"Pairs run in the same software build only (lambda-2021 ran its A40, A4000, A5000 and A100 "
+              f"80GB in a later build than its other cards; lambda-2022 split its cards between two builds): "
+              f"{len(same)} pairs, relative mean {percent(same_mean)}, max {percent(same_max)}. The table above "
+              f"counts every pair."]
     record["same_build_pairs"] = {"pairs": len(same), "relative_mean": same_mean, "relative_max": same_max}
+    rest = [e.error for e in pairs if UNEXPLAINED not in {_kind(e.first.row), _kind(e.second.row)}]
+    rest_mean, rest_max = summary(rest)
+    lines += ["", f"Without the pairs holding {' '.join(UNEXPLAINED)} (the unexplained outlier, docs/planner.md): "
+              f"{len(rest)} pairs, relative mean {percent(rest_mean)}, max {percent(rest_max)}. Every figure "
+              f"elsewhere keeps them."]
+    record["pairs_without_unexplained"] = {"excluded": list(UNEXPLAINED), "pairs": len(rest),
+                                           "relative_mean": rest_mean, "relative_max": rest_max}
     lines += ["", f"Worst {WORST_PAIRS} pairs (predicted ratio over measured):", ""]
     for pair in sorted(pairs, key=lambda e: -e.error)[:WORST_PAIRS]:
         a, b = pair.first.row, pair.second.row

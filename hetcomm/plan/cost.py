@@ -40,7 +40,7 @@ ACTIVATION_TRAFFIC = 3
 # real-world performance at 90% of the SXM4 A100's (www.anandtech.com/show/15867, 2020-06-22);
 # in measurements.csv it ran BERT at 0.86-0.93 of the SXM4 A100's speed in both lambda-2021
 # and lambda-2022. The 300 W A40 and 150 W A10 have no published sustained clock, and their
-# rows do not show one uniform derating (the A40's fp16 rows are within 5% of the fit).
+# rows do not show one uniform derating (the A40's fp16 rows are within 8% of the fit).
 SUSTAINED_CLOCK = {"t4": 0.5, "a100-pcie-40gb": 0.9}
 # Per-micro-step fixed cost: the kernels launched by forward and backward (about 40
 # per transformer block plus 30 for embeddings, head and loss), each paying the

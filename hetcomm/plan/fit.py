@@ -91,8 +91,9 @@ class Measurement:
     @property
     def build(self) -> str:
         """The software build, as the software column names it up to its first ';'. A
-        source's rows need not share one: lambda-2021 ran its A40 and A100 80GB in a later
-        container build than its other cards, lambda-2022 split its cards between two."""
+        source's rows need not share one: lambda-2021 ran its A40, A4000, A5000 and A100
+        80GB in a later container build than its other cards, lambda-2022 split its cards
+        between two."""
         return self.software.split(";")[0].strip()
 
 
