@@ -37,12 +37,28 @@ def optimal_step_time(speeds):
     return solve_split(GLOBAL_BATCH, [(0.0, 1.0 / s) for s in speeds]).step_time
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_no_change_under_noise(seed):
+def test_noise_alone_seldom_moves_the_split():
+    # 10 runs of 400 steps at the best split, 10% noise on every time: the noise margin
+    # lets a few changes through (4 here; 120, costing 1.25%, without it), and they cost
+    # next to nothing.
+    changes, lost = 0, 0.0
+    for seed in range(10):
+        rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+        decisions = simulate(rebalancer, lambda step: SPEEDS, steps=400, noise=0.10, seed=seed)
+        changes += sum(d.changed for d in decisions)
+        lost += sum(true_step_time(d.sizes, SPEEDS) for d in decisions) / (400 * optimal_step_time(SPEEDS)) - 1
+    assert changes <= 10
+    assert lost / 10 < 0.005
+
+
+def test_a_slowdown_of_the_whole_cluster_moves_no_split():
+    # Every rank 30% slower from step 40 on (a shared host gets busy): the ranks' speeds
+    # relative to one another stay, and so does the split.
     rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
-    decisions = simulate(rebalancer, lambda step: SPEEDS, steps=400, noise=0.10, seed=seed)
+    decisions = simulate(rebalancer, lambda step: [s / (1.3 if step >= 40 else 1) for s in SPEEDS], steps=80,
+                         noise=0.02)
     assert not any(d.changed for d in decisions)
-    assert rebalancer.sizes == BALANCED
+    assert rebalancer.model()[0][1] == pytest.approx(1.3 / SPEEDS[0], rel=0.05)   # the level followed
 
 
 def test_a_stalled_step_is_tried_and_undone():
@@ -99,8 +115,9 @@ def test_adopts_right_after_a_sustained_slowdown():
     assert changes and changes[0] == 50
     assert len(changes) <= 2
     assert all(d.predicted_gain > d.required_gain >= 0.01 for d in decisions if d.changed)
-    # Settled within the threshold of the best split for the new speeds.
-    assert true_step_time(decisions[50].sizes, slowed) <= 1.05 * optimal_step_time(slowed)
+    # The trial's split rests on one measurement with 5% noise; the settled one is within
+    # the threshold of the best split for the new speeds.
+    assert true_step_time(decisions[50].sizes, slowed) <= 1.10 * optimal_step_time(slowed)
     assert true_step_time(rebalancer.sizes, slowed) <= 1.05 * optimal_step_time(slowed)
     assert true_step_time(BALANCED, slowed) > 1.5 * optimal_step_time(slowed)
 
@@ -278,3 +295,20 @@ def test_noise_every_rank_shares_does_not_hold_a_rough_first_split():
             total += true_step_time(rebalancer.sizes, speeds)
         excess.append(total / 40 / best - 1)
     assert statistics.fmean(excess) < 0.0125
+
+
+
+def test_ranks_that_speed_up_as_another_throttles_are_weighed_by_their_new_speed():
+    # Rank 1 throttles to a quarter at step 20, and the others run 8% faster from then on
+    # (on a shared host it leaves them its cores). The others' estimates hold 20 steps at
+    # their old speed, the throttled rank's new mean none: taken as they are, every other
+    # rank looked ~4% slower beside it, and the split stayed that far off.
+    batch = 4 * GLOBAL_BATCH
+
+    def speeds_at(step):
+        return SPEEDS if step < 20 else [s * (0.25 if i == 1 else 1.08) for i, s in enumerate(SPEEDS)]
+
+    rebalancer = Rebalancer(batch, solve_split(batch, [(0.0, 1 / s) for s in SPEEDS]).sizes, patience=2, cooldown=3)
+    simulate(rebalancer, speeds_at, steps=40, noise=0.01)
+    best = solve_split(batch, [(0.0, 1 / s) for s in speeds_at(30)]).step_time
+    assert true_step_time(rebalancer.sizes, speeds_at(30)) <= 1.015 * best

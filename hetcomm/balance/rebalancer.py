@@ -15,6 +15,15 @@ the true speed fastest; the average keeps following slow drifts (a card warming 
 while sudden changes are handled apart (below), so the average can be long (0.05:
 about the last 40 steps).
 
+What every rank does alike in a step (the median of the ranks' deviations from their
+estimates) is taken out of each measurement before it is folded in, and followed by a
+level of the whole cluster instead, in the same way; the model is the estimates times
+that level. Only the speeds relative to one another decide a split, and they must not
+depend on when each rank's level was last set: a card that throttles starts a new mean,
+while the others' means still hold the slower first steps (warm-up, 5-10% on CPU) or a
+speed they had before the throttle freed their shared cores; their relative speeds
+were then off by as much, and a split one sample off was held for the rest of a run.
+
 Two things keep the split from chasing noise. The predicted speed-up of the best
 split over the current one must exceed `threshold` (1% by default; Cannikin uses 5%,
 but a change costs nothing here but another count of samples per rank, while what a
@@ -128,7 +137,9 @@ class Rebalancer:
         self.memory_caps, self.policy, self.min_per_rank = memory_caps, policy, min_per_rank
         self.threshold, self.smoothing, self.patience, self.cooldown = threshold, smoothing, patience, cooldown
         self.sizes: tuple[int, ...] = ()
-        self.speeds = [1.0] * ranks          # s_i; 1 until the rank is first measured
+        self.speeds = [1.0] * ranks          # s_i over the cluster's level; 1 until the rank is first measured
+        self.level = 0.0                     # L, the log of the cluster's level: 0 at the first measurements
+        self.level_steps = 0                 # steps averaged into L
         self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER raw speeds per rank
         self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
         self.measured = [0] * ranks          # measurements folded into v_i
@@ -143,7 +154,8 @@ class Rebalancer:
 
     def model(self) -> list[tuple[float, float]]:
         """The current (fixed, per_sample) profiles: the profiled shape over the smoothed speed."""
-        return [(a / s, c / s) for (a, c), s in zip(self.profiles, self.speeds)]
+        level = math.exp(self.level)
+        return [(a / (s * level), c / (s * level)) for (a, c), s in zip(self.profiles, self.speeds)]
 
     def update(self, compute_times: Sequence[float], done: Sequence[int] | None = None) -> None:
         """Folds one step's compute time per rank (seconds for that rank's samples,
@@ -165,11 +177,15 @@ class Rebalancer:
                 raise ValueError(f"compute_times[{i}] = {seconds!r}: expected a positive, finite number of seconds "
                                  f"(rank {i} processed {done[i]} samples)")
         predicted = predict_rank_times(tuple(done), self.profiles, self.memory_caps, self.policy)
-        speeds = {i: predicted[i] / compute_times[i] for i in measured}
+        # Each measurement in the estimates' units: over the cluster's level, then over what
+        # every rank did alike this step (which the level then follows, as an estimate does).
+        speeds = {i: predicted[i] / compute_times[i] / math.exp(self.level) for i in measured}
         common, unbias = self._common_deviation(speeds)
         self.shifted = self.settled = False
         for i in measured:
-            self._measure(i, speeds[i], common, unbias)
+            self._measure(i, speeds[i] / math.exp(common), unbias)
+        self.level_steps += 1
+        self.level += max(self.smoothing, 1 / self.level_steps) * common
         self.steps_since_change += 1
 
     def _common_deviation(self, speeds: dict[int, float]) -> tuple[float, float]:
@@ -188,8 +204,9 @@ class Rebalancer:
                 if self.recent[i] and self.trial_from[i] is None and not self._beyond_shift_bound(i, speed)]
         return (statistics.median(logs), len(logs) / (len(logs) - 1)) if len(logs) >= 2 else (0.0, 1.0)
 
-    def _measure(self, i: int, speed: float, common: float = 0.0, unbias: float = 1.0) -> None:
-        """Folds rank i's speed measured this step into its estimate."""
+    def _measure(self, i: int, speed: float, unbias: float = 1.0) -> None:
+        """Folds rank i's speed measured this step, with what every rank did alike taken
+        out, into its estimate."""
         if self.trial_from[i] is not None:
             before, jumped = self.trial_from[i], self.speeds[i]
             self.trial_from[i], self.speeds[i] = None, before
@@ -206,11 +223,10 @@ class Rebalancer:
             self.speeds[i], self.level_count[i] = speed, 1   # the first measurement
             return
         # The noise of a single measurement, which is what the shift bound tests (the
-        # median's is smaller, so the noise margin built on it errs on the safe side),
-        # against the other ranks: what the whole cluster did alike moves no split.
+        # median's is smaller, so the noise margin built on it errs on the safe side).
         self.measured[i] += 1
         weight = 1 / min(self.measured[i] + PRIOR_WEIGHT, VARIANCE_MEMORY)
-        deviation = math.log(speed / self.speeds[i]) - common
+        deviation = math.log(speed / self.speeds[i])
         self.variances[i] = (1 - weight) * self.variances[i] + weight * unbias * deviation ** 2
         self.level_count[i] += 1
         weight = max(self.smoothing, 1 / self.level_count[i])   # the mean, then the moving average
@@ -304,7 +320,7 @@ class Rebalancer:
     def state_dict(self) -> dict:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
-                "level_count": list(self.level_count),
+                "level_count": list(self.level_count), "level": self.level, "level_steps": self.level_steps,
                 "trial_from": list(self.trial_from), "shifted": self.shifted, "settled": self.settled,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
@@ -322,6 +338,8 @@ class Rebalancer:
         long_ago = round(1 / self.smoothing)
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
+        # States saved before the cluster's level was taken apart hold it in their speeds.
+        self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
         self.shifted = bool(state.get("shifted", False))
         self.settled = bool(state.get("settled", False))
         self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])
