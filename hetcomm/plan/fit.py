@@ -97,18 +97,14 @@ class Measurement:
         return self.software.split(";")[0].strip()
 
 
-@dataclass(frozen=True)
-class MaxBatch:
-    source: str
-    gpu: str
+class _PublishedBatch:
+    """What a published run's model and precision mean to the planner (for the rows of
+    max_batch.csv and batch_bounds.csv)."""
+
     model: str
     task: str
-    seq: int
     precision: str
-    attention: str
-    max_batch: int
     software: str
-    citation: str
 
     @property
     def shape(self) -> ModelShape:
@@ -120,7 +116,21 @@ class MaxBatch:
 
 
 @dataclass(frozen=True)
-class BatchBound:
+class MaxBatch(_PublishedBatch):
+    source: str
+    gpu: str
+    model: str
+    task: str
+    seq: int
+    precision: str
+    attention: str
+    max_batch: int
+    software: str
+    citation: str
+
+
+@dataclass(frozen=True)
+class BatchBound(_PublishedBatch):
     """Published runs that bound the largest micro-batch from both sides: `ran`, the
     largest micro-batch the source ran, and `failed`, the smallest it reports running
     out of memory (0: none reported). The maximum lies in [ran, failed - 1]."""
@@ -136,14 +146,6 @@ class BatchBound:
     failed: int
     software: str
     citation: str
-
-    @property
-    def shape(self) -> ModelShape:
-        return _preset(self.model, self.task)
-
-    @property
-    def activations(self) -> str | None:
-        return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
 
     def error(self, cap: int) -> float:
         """How far `cap` lies outside [ran, failed - 1], relative to the bound it
