@@ -140,7 +140,7 @@ class Rebalancer:
         self.speeds = [1.0] * ranks          # s_i over the cluster's level; 1 until the rank is first measured
         self.level = 0.0                     # L, the log of the cluster's level: 0 at the first measurements
         self.level_steps = 0                 # steps averaged into L
-        self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER raw speeds per rank
+        self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER measurements, common part out
         self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
         self.measured = [0] * ranks          # measurements folded into v_i
         self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
