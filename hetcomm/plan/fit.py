@@ -114,6 +114,15 @@ class _PublishedBatch:
     def activations(self) -> str | None:
         return "o2" if self.precision == "fp16" and "apex amp" in self.software else None
 
+    @property
+    def bucket_bytes_per_parameter(self) -> int:
+        """torch DDP's buckets: a second copy of every gradient, in the gradients' dtype,
+        which DDP all-reduces from (its gradient_as_bucket_view, off by default, would
+        make the gradients views of them instead). Other software: none counted."""
+        if "torch DDP" not in self.software:
+            return 0
+        return 2 if self.activations == "o2" else 4
+
 
 @dataclass(frozen=True)
 class MaxBatch(_PublishedBatch):
@@ -237,10 +246,12 @@ class _Parts:
 
 
 def predicted_cap(row: MaxBatch | BatchBound, catalog: Catalog) -> int:
-    """The largest micro-batch the model says fits on the whole card, single GPU."""
+    """The largest micro-batch the model says fits on the whole card, with DDP's bucket
+    copies where the run used DDP."""
     device = catalog.device(row.gpu)
     shape, storage = row.shape, STORAGE[row.precision]
-    state = shape.parameters(row.seq) * STATE_BYTES_PER_PARAMETER[storage] + CONTEXT_BYTES
+    state = shape.parameters(row.seq) * (STATE_BYTES_PER_PARAMETER[storage] + row.bucket_bytes_per_parameter) \
+        + CONTEXT_BYTES
     return micro_batch_cap(device.memory_gib * 2**30, state,
                            shape.activation_bytes_per_sample(row.seq, row.activations or storage, row.attention))
 
