@@ -10,20 +10,26 @@ factors):
   3. two runs execute those splits (--split, no balancing); their median step times
      are what the predictions are checked against.
 The error is printed (target: within 15%), never asserted. Then a 10,000-GPU cluster
-of 8 kinds is planned and timed (target: under a second).
+of 8 kinds is planned and timed, once as is and once with every other core kept
+busy (target: under a second).
 
     python benchmarks/bench_planner.py                       # ~5 minutes on 2 cores
     python benchmarks/bench_planner.py --steps 20 --json out.json
     python benchmarks/bench_planner.py --out benchmarks/results     # planner_cpu_<date>.md/.json
+    python benchmarks/bench_planner.py --scale-only                 # the 10,000-GPU timing alone
 """
 
 import argparse
+import contextlib
 import json
+import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -77,6 +83,26 @@ def validate(name: str, speeds: str, steps: int, work: Path) -> dict:
             "predicted_speedup": plan.speedup_over_equal, "measured_speedup": measured_equal / measured}
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def other_cores_busy() -> Iterator[int]:
+    """Every core but one kept busy by a spinning process, as training or a second job
+    keeps them while someone plans; yields how many."""
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range((os.cpu_count() or 1) - 1)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield len(spinners)
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
+
+
 def plan_large_cluster(repeats: int = 3) -> dict:
     catalog = load_catalog()
     model = parse_model("gpt2-124m")
@@ -107,7 +133,9 @@ def markdown(results: list[dict], large: dict, meta: dict) -> str:
                      f"{r['measured_equal_step_s']:.3f} s | {r['equal_error']:+.1%} |")
     lines += ["", f"Planning {large['devices']:,} GPUs of {large['kinds']} kinds (gpt2-124m, global batch "
                   f"{large['global_batch']:,}, including the slow-card analysis): {large['seconds']:.3f} s "
-                  f"(best of {len(large['seconds_all'])}; target under 1 s)."]
+                  f"(best of {len(large['seconds_all'])}; target under 1 s); with {large['busy']['cores']} other "
+                  f"core(s) kept busy by a spinning process: {large['busy']['seconds']:.3f} s (slowest of "
+                  f"{len(large['busy']['seconds_all'])}: {max(large['busy']['seconds_all']):.3f} s)."]
     return "\n".join(lines) + "\n"
 
 
@@ -116,13 +144,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps of each profiling and planned run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write a table here")
+    parser.add_argument("--scale-only", action="store_true",
+                        help="only time planning the 10,000-GPU cluster, idle and with the other cores busy (seconds)")
     add_out_arguments(parser)
     args = parser.parse_args()
+    if args.scale_only and (args.markdown or args.out):
+        parser.error("--scale-only: prints the timings (and --json); --markdown and --out need the validation runs")
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "torch": torch.__version__,
             "machine": f"{torch.get_num_threads()} threads, CPU", "simulated": True}
     results = []
     with tempfile.TemporaryDirectory() as work:
-        for name, speeds in SCENARIOS.items():
+        for name, speeds in ({} if args.scale_only else SCENARIOS).items():
             result = validate(name, speeds, args.steps, Path(work))
             results.append(result)
             print(f"{name}: planned {'/'.join(map(str, result['planned_split']))}: predicted "
@@ -130,7 +162,10 @@ def main() -> int:
                   f"({result['error']:+.1%}); equal split predicted {result['predicted_equal_step_s']:.3f} s, "
                   f"measured {result['measured_equal_step_s']:.3f} s ({result['equal_error']:+.1%})", flush=True)
     large = plan_large_cluster()
-    print(f"planning {large['devices']:,} GPUs of 8 kinds: {large['seconds']:.3f} s")
+    with other_cores_busy() as busy:
+        large["busy"] = {"cores": busy, **plan_large_cluster()}
+    print(f"planning {large['devices']:,} GPUs of 8 kinds: {large['seconds']:.3f} s; with {busy} other core(s) "
+          f"busy: {large['busy']['seconds']:.3f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "validation": results, "scale": large}, indent=1) + "\n")
     if args.markdown:
