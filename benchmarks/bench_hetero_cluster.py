@@ -66,20 +66,23 @@ def run(strategy: list[str], steps: int, slowdown: str | None, out: Path) -> dic
     return {"steps": steps_log, "summary": json.loads((out / "summary.json").read_text())}
 
 
+def regimes(steps_log: list[dict], slowdown_step: int | None) -> list[tuple[list[dict], list[float]]]:
+    """The log's regimes (before and after the slowdown), each with its steps and every
+    rank's median measured throughput over them."""
+    parts = [steps_log] if slowdown_step is None else [steps_log[:slowdown_step], steps_log[slowdown_step:]]
+    ranks = len(steps_log[0]["micro_batch"])
+    return [(part, [statistics.median(s["samples_per_second"][r] for s in part if s["samples_per_second"][r] > 0)
+                    for r in range(ranks)]) for part in parts]
+
+
 def ideal_seconds(steps_log: list[dict], slowdown_step: int | None, whole_windows: bool = False) -> float:
     """Sum over steps of B / sum_i s_i, s_i being rank i's median measured throughput in
     its regime (before and after the slowdown), over all runs' steps given. With
     whole_windows, each step's time is instead that of the best split of B into whole
     windows at those throughputs, min over integer b_i of max_i b_i / s_i: what any
     method that gives each window to one rank can reach at best."""
-    def medians(part):
-        ranks = len(part[0]["micro_batch"])
-        return [statistics.median(s["samples_per_second"][r] for s in part if s["samples_per_second"][r] > 0)
-                for r in range(ranks)]
-    parts = [steps_log] if slowdown_step is None else [steps_log[:slowdown_step], steps_log[slowdown_step:]]
     total = 0.0
-    for part in parts:
-        throughputs = medians(part)
+    for part, throughputs in regimes(steps_log, slowdown_step):
         for step in part:
             batch = sum(step["micro_batch"])
             total += solve_split(batch, [(0.0, 1 / s) for s in throughputs]).step_time if whole_windows \
