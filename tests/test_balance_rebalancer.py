@@ -9,6 +9,7 @@ import pytest
 
 from distributed import run_ranks, values
 from hetcomm.balance import DistributedRebalancer, Rebalancer, solve_split
+from hetcomm.balance.rebalancer import TRAINING_SETTINGS
 
 SPEEDS = [100.0, 100.0, 50.0, 25.0]      # samples per second
 GLOBAL_BATCH = 110
@@ -86,16 +87,17 @@ def test_two_stalled_steps_end_where_they_began():
 def test_the_split_follows_a_confirmed_shift_at_once():
     # Rank 0 throttles to a third; the step it starts in measures it at half its speed (it
     # slowed within that step). The trial's split follows that first measurement; the next
-    # one confirms the shift at the two measurements' geometric mean, and the split follows
-    # that too at once, not after the cool-down the trial's change started.
+    # one confirms the shift, the estimate starts over from it alone (the trial's is the
+    # one that straddled the change), and the split follows at once, not after the
+    # cool-down the trial's change started. (Kept in the mean, the trial's half speed
+    # left rank 0 at 21 samples where 18 are right.)
     slowed = [SPEEDS[0] / 3] + SPEEDS[1:]
     halfway = [SPEEDS[0] / 2] + SPEEDS[1:]
     rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
     decisions = simulate(rebalancer, lambda step: SPEEDS if step < 50 else halfway if step == 50 else slowed,
                          steps=60, noise=0.0)
     assert [step for step, d in enumerate(decisions) if d.changed][:2] == [50, 51]
-    settled = [SPEEDS[0] * math.sqrt(1 / 6)] + SPEEDS[1:]
-    assert decisions[51].sizes == solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in settled]).sizes
+    assert decisions[51].sizes == solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in slowed]).sizes
     assert true_step_time(decisions[51].sizes, slowed) < true_step_time(decisions[50].sizes, slowed)
 
 
@@ -112,14 +114,49 @@ def test_adopts_right_after_a_sustained_slowdown():
     changes = [step for step, d in enumerate(decisions) if d.changed]
     # The first slow measurement (step 50) moves the estimate on trial and the split follows
     # at once, without patience or cool-down; step 51 confirms it.
+    # The new mean starts from the confirming measurement alone; it may move the split a
+    # sample or two more as it comes in.
     assert changes and changes[0] == 50
-    assert len(changes) <= 2
+    assert len(changes) <= 4
     assert all(d.predicted_gain > d.required_gain >= 0.01 for d in decisions if d.changed)
-    # The trial's split rests on one measurement with 5% noise; the settled one is within
-    # the threshold of the best split for the new speeds.
+    # The trial's split rests on one measurement with 5% noise; every split from the
+    # confirmation on is within 5% of the best split for the new speeds.
     assert true_step_time(decisions[50].sizes, slowed) <= 1.10 * optimal_step_time(slowed)
-    assert true_step_time(rebalancer.sizes, slowed) <= 1.05 * optimal_step_time(slowed)
+    assert all(true_step_time(d.sizes, slowed) <= 1.05 * optimal_step_time(slowed) for d in decisions[51:])
     assert true_step_time(BALANCED, slowed) > 1.5 * optimal_step_time(slowed)
+
+
+def test_a_trial_measured_off_is_not_held_after_the_shift():
+    # Rank 1 throttles to a quarter at step 15 of 30 (training settings, 220 samples a
+    # step, 3% noise of each rank's own and 3% shared). The step it throttles in is
+    # measured 8% fast, as a handoff's prediction from one forward was in a BERT benchmark
+    # run. Over the 14 steps after the confirmation, 40 seeds lose on average:
+    #   2.7% with the trial's measurement kept in the new mean and the shifted rank's
+    #        young estimate widening every receiver's margin (the benchmark's 33 samples
+    #        where 31 were right, held 8 steps);
+    #   2.0% with the trial's measurement left out only;
+    #   1.3% with both (0.65% with a trial measured right, 0.76% before).
+    batch = 2 * GLOBAL_BATCH
+    throttled = [s / 4 if i == 1 else s for i, s in enumerate(SPEEDS)]
+    best = solve_split(batch, [(0.0, 1 / s) for s in throttled]).step_time
+    for trial_error, bound in ((1.0, 0.01), (1.08, 0.017)):
+        excess = []
+        for seed in range(40):
+            rng = random.Random(seed)
+            rebalancer = Rebalancer(batch, solve_split(batch, [(0.0, 1 / s) for s in SPEEDS]).sizes,
+                                    **TRAINING_SETTINGS)
+            after = []
+            for step in range(30):
+                speeds = SPEEDS if step < 15 else throttled
+                if step > 15:
+                    after.append(true_step_time(rebalancer.sizes, speeds) / best)
+                shared = math.exp(rng.gauss(0, 0.03))
+                times = [b / s * shared * math.exp(rng.gauss(0, 0.03)) for b, s in zip(rebalancer.sizes, speeds)]
+                if step == 15:
+                    times[1] /= trial_error
+                rebalancer.observe(times)
+            excess.append(statistics.fmean(after) - 1)
+        assert statistics.fmean(excess) < bound, trial_error
 
 
 def test_follows_a_card_that_recovers():

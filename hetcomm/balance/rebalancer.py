@@ -46,11 +46,16 @@ rank's own standard deviations away from its estimate (a card that starts thrott
 or a stall) moves the estimate to it on trial, and the split follows on the next step
 if that gains more than the threshold, with no patience and no cool-down. The rank's
 next measurement settles the trial: still as far on the same side, the shift is real
-and the estimate stays at the two measurements' geometric mean (and a new mean starts
-from them), which the split follows at once too, this time with the noise margin (the
-trial's first split rested on one measurement, and the cool-down it started would
-hold a card that throttled one sample too heavy for several steps); otherwise it was a
-stall, and the estimate (and with it the split) goes back. A throttling card so costs
+and a new mean starts from that measurement alone, which the split follows at once
+too, this time with the noise margin (the trial's first split rested on one
+measurement, and the cool-down it started would hold a card that throttled one sample
+too heavy for several steps); otherwise it was a stall, and the estimate (and with it
+the split) goes back. The trial's measurement is left out because it is the one to
+distrust: the card changed speed within that step, or it handed samples off and its
+time was predicted from one micro-batch's forward (8% fast in a benchmark run, which
+held the card two samples too heavy for 8 steps). Until the new mean is long, the
+split in use rests on it as much as any other does, so the shifted rank's uncertainty
+widens no margin of a move that takes samples off it. A throttling card so costs
 one slow step instead of several, and a stall two steps at a split that is off by the
 stall's share; a slow step costs far more than a slightly uneven one.
 """
@@ -145,6 +150,7 @@ class Rebalancer:
         self.measured = [0] * ranks          # measurements folded into v_i
         self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
         self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
+        self.since_shift = [False] * ranks   # the rank's level was last set by a confirmed shift
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.settled = False                 # a shift was confirmed in the last update
         self.steps_since_change = 0
@@ -211,8 +217,11 @@ class Rebalancer:
             before, jumped = self.trial_from[i], self.speeds[i]
             self.trial_from[i], self.speeds[i] = None, before
             if self._beyond_shift_bound(i, speed) and (speed > before) == (jumped > before):
-                self.speeds[i] = math.sqrt(jumped * speed)   # confirmed: the shift's two measurements
-                self.recent[i], self.level_count[i], self.settled = [jumped, speed], 2, True
+                # Confirmed: a new mean starts from this measurement alone. The trial's is
+                # the one to distrust: the card changed speed within that step, or it handed
+                # samples off and its time was predicted from one micro-batch's forward.
+                self.speeds[i], self.recent[i], self.level_count[i], self.settled = speed, [speed], 1, True
+                self.since_shift[i] = True
                 return
             self.shifted = True                              # a stall: back to the estimate from before
         if self.recent[i] and self._beyond_shift_bound(i, speed):
@@ -249,8 +258,16 @@ class Rebalancer:
         rank whose speed is over-estimated, while the time a rank saves by giving samples
         away is as certain as the rank's own per-sample time."""
         errors = self.relative_errors()
-        slowest = errors[max(range(len(current_times)), key=current_times.__getitem__)]
-        return [1 + MARGIN_ERRORS * math.hypot(e, slowest) for e in errors]
+        slowest = max(range(len(current_times)), key=current_times.__getitem__)
+        held_up = 0.0 if self._newly_shifted(slowest) else errors[slowest]
+        return [1 + MARGIN_ERRORS * math.hypot(e, held_up) for e in errors]
+
+    def _newly_shifted(self, rank: int) -> bool:
+        """Whether rank's estimate is still the mean begun at a confirmed shift. The split
+        in use then rests on that same young estimate (the trial's one or two
+        measurements): it is no safer a place to stay than the split the estimate now
+        points to, so the rank's own uncertainty is no reason to hold a move off it."""
+        return self.since_shift[rank] and self.level_count[rank] < 1 / self.smoothing
 
     def _predict(self, sizes: tuple[int, ...], model, margins: list[float]) -> tuple[float, float]:
         """The predicted step time of `sizes`, and the same with each rank that would get
@@ -321,7 +338,8 @@ class Rebalancer:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
                 "level_count": list(self.level_count), "level": self.level, "level_steps": self.level_steps,
-                "trial_from": list(self.trial_from), "shifted": self.shifted, "settled": self.settled,
+                "trial_from": list(self.trial_from), "since_shift": list(self.since_shift),
+                "shifted": self.shifted, "settled": self.settled,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
@@ -338,6 +356,7 @@ class Rebalancer:
         long_ago = round(1 / self.smoothing)
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
+        self.since_shift = [bool(b) for b in state.get("since_shift", [False] * len(self.sizes))]
         # States saved before the cluster's level was taken apart hold it in their speeds.
         self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
         self.shifted = bool(state.get("shifted", False))
