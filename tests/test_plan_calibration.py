@@ -58,12 +58,13 @@ def test_held_out_absolute_throughput_within_20_percent_on_average(held_out):
 
 
 def test_held_out_ratios_between_gpu_kinds_within_15_percent_on_average(held_out):
-    # Issue 18 also asks for 30% at most; the worst pairs reach 61% (the six worst hold
-    # lambda-2021's A40 in TF32, unexplained; then A4000, 2080 Ti and A10 pairs near 44%);
-    # 91% of them are within 30%.
+    # Issue 18 also asks for 30% at most; the worst pairs reach 55% (three of the four worst
+    # hold lambda-2021's A40 in TF32, unexplained; then A4000/A5000 and A10 pairs near 45%);
+    # 94% of them are within 30% (91% before eager attention's traffic was counted kernel
+    # by kernel).
     errors = [pair.error for pair in relative_errors(held_out)]
     mean, _ = summary(errors)
-    assert mean < 0.15 and sum(e < 0.30 for e in errors) >= 0.9 * len(errors)
+    assert mean < 0.15 and sum(e < 0.30 for e in errors) >= 0.93 * len(errors)
 
 
 def test_held_out_fp16_on_pascal_within_30_percent(held_out, catalog):

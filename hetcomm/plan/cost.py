@@ -30,6 +30,21 @@ STORAGE = {"fp32": "fp32", "tf32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 # fallbacks for a math no measurement covers.
 DEFAULT_EFFICIENCY = {"fp32": 0.7, "tf32": 0.5, "tensor16": 0.5}
 ACTIVATION_TRAFFIC = 3
+# Eager attention's seq×seq scores go through a chain of kernels of their own, each
+# reading and writing every score, so they cost more than three passes over what is
+# kept of them: bytes per score and layer, forward and backward, in units of the element
+# size e. Forward: QKᵀ writes them (1), the scaling by 1/sqrt(d) and the mask's addition
+# read and write them (4), softmax (2), dropout (2, and a 1-byte mask), PV reads them (1):
+# 10e + 1. Backward: PV's backward writes their gradient and reads them for V's (2),
+# dropout (2, and the mask), softmax (3: gradient and output in, gradient out), the
+# scaling (2), QKᵀ's two backward matmuls read the gradient (2): 11e + 1. Apex's amp O2
+# runs the chain in fp16 (e = 2): 44. fp32: 86; autocast, which runs softmax and what
+# follows in fp32 and casts back for PV (two casts each way), comes to the same 86.
+# Counted as three passes over the 5-9 bytes kept, the scores moved 15-27 bytes: the
+# cards with the most FLOP/s per byte of bandwidth (V100, RTX 8000, A100), whose eager
+# BERT steps are the most memory-bound, were predicted up to a third too fast beside
+# the others (benchmarks/results/cost_model_cpu_*: relative error mean 13.4% -> 12.0%).
+SCORE_TRAFFIC_BYTES = {"fp32": 86, "fp16": 86, "bf16": 86, "o2": 44}
 # Sustained clock under a training load, as a share of the boost clock the peak figures
 # assume, for cards whose power cap holds them below it. T4 (70 W): a sustained 4096³
 # fp16 cuBLAS GEMM reaches 24 of its 65 TFLOPS, NVIDIA's answer being its power cap
@@ -231,9 +246,12 @@ def update_seconds(parameters: int, bandwidth_bytes_per_s: float, precision: str
 
 def memory_bound_seconds(device: Device, model: ModelShape, seq: int, precision: str,
                          attention: str = "fused", activations: str | None = None) -> float:
-    """Per sample, the memory-bound part of forward and backward."""
+    """Per sample, the memory-bound part of forward and backward: three passes over
+    what is kept for backward, and eager attention's chain of kernels over the scores."""
     kept = activations or STORAGE[precision]
-    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, kept, attention)
+    traffic = ACTIVATION_TRAFFIC * model.activation_bytes_per_sample(seq, kept, "fused")
+    if attention == "eager":
+        traffic += SCORE_TRAFFIC_BYTES[kept] * model.n_layer * model.n_head * seq * seq
     return traffic / (device.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
 
 
