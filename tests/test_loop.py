@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from distributed import run_ranks, values
 from torch import nn
 
-from hetcomm.balance import WeightedDistributedSampler
+from hetcomm.balance import WeightedDistributedSampler, solve_split
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.batches import micro_batches
+from hetcomm.loop.step import first_splits
 from hetcomm.train.simulate import SimulatedSpeed, Slowdown
 
 SAMPLES, LENGTH, VOCAB, GLOBAL_BATCH, SEED = 96, 8, 16, 16, 3
@@ -298,3 +299,16 @@ def test_the_loop_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         BalancedLoop(TinyTagger(), MaskedTokens(), global_batch=GLOBAL_BATCH)
+
+
+def test_the_first_steps_floor_of_samples_done_does_not_outlast_it():
+    # Rank 3 (a quarter of ranks 0 and 1's speed) was timed fast on its one sample and
+    # dealt 9 more of the second part: 10 done where 9 is its share of the whole step.
+    # That step must keep them; the steps after take what the throughputs ask for.
+    rates = [(0.0, 1 / 52), (0.0, 1 / 52), (0.0, 1 / 26), (0.0, 1 / 13)]
+    done = [17, 17, 9, 10]
+    this_step, following = first_splits(96, rates, None, done)
+    assert sum(this_step) == 96 and all(b >= d for b, d in zip(this_step, done))
+    best = solve_split(96, rates)
+    assert following == best.sizes and following[3] < done[3]
+    assert solve_split(96, rates, min_per_rank=done).step_time > 1.1 * best.step_time
