@@ -1,8 +1,9 @@
 """The planner's cost model against published training measurements
-(hetcomm/plan/measurements.csv, max_batch.csv, batch_bounds.csv): leave-one-source-out
-error, absolute and relative (ratios between GPU kinds within one source and workload),
-the TF32 and fp16-on-Pascal rows, the largest micro-batches (published maxima, and
-published runs that bound them), multi-GPU weak scaling, and the full fit's residuals.
+(hetcomm/plan/measurements.csv, max_batch.csv, batch_bounds.csv, forward_memory.csv):
+leave-one-source-out error, absolute and relative (ratios between GPU kinds within one
+source and workload), the TF32 and fp16-on-Pascal rows, the largest micro-batches
+(published maxima, and published runs that bound them), the memory a published forward
+kept, multi-GPU weak scaling, and the full fit's residuals.
 
 Targets (issue 18): relative within 15% on average, at most 30%; absolute within 20%
 on average; TF32 and fp16-on-Pascal rows within 30%; maximum batch sizes within 25%.
@@ -16,9 +17,9 @@ from result_files import add_out_arguments, write_results
 
 from hetcomm.plan.catalog import load_catalog
 from hetcomm.plan.cost import all_reduce_cost, math_of
-from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_batch_bounds, load_max_batches,
-                              load_measurements, predict, predicted_cap, predicted_cap_of_run, relative_errors, summary,
-                              weak_scaling)
+from hetcomm.plan.fit import (fit_efficiencies, leave_one_source_out, load_batch_bounds, load_forward_memory,
+                              load_max_batches, load_measurements, predict, predicted_cap, predicted_cap_of_run,
+                              relative_errors, summary, weak_scaling)
 
 WORST_PAIRS = 8
 # The rows no documented cause explains (docs/planner.md, "What remains off"): lambda-2021's A40 in
@@ -110,6 +111,22 @@ def report() -> tuple[str, dict]:
         record["batch_bounds"].append({"source": row.source, "gpu": row.gpu, "model": row.model, "seq": row.seq,
                                        "software": row.software, "ran": row.ran, "failed": row.failed,
                                        "predicted": cap})
+    lines += ["", "## Memory held after one training forward, published (pytorch_transformers 1.x, 11.17 GiB card): "
+              "kept bytes per sample and the largest forward that fits", "",
+              "| source | model | seq | GELU | published MiB / sample | predicted | error | F.gelu's count | "
+              "forward ran | ran out of memory | predicted largest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    record["forward_memory"] = []
+    for row in load_forward_memory():
+        published, predicted = row.published_bytes_per_sample(), row.predicted_bytes_per_sample()
+        fused = row.shape.saved_bytes_per_sample(row.seq, row.precision, row.attention, "fused")
+        cap = row.predicted_cap()
+        lines.append(f"| {row.source} | {row.model}-{row.task} | {row.seq} | {row.gelu} | {published / 2**20:.1f} | "
+                     f"{predicted / 2**20:.1f} | {predicted / published - 1:+.1%} | {fused / published - 1:+.1%} | "
+                     f"{row.ran} | {row.failed} | {cap} |")
+        record["forward_memory"].append({"model": row.model, "seq": row.seq, "gelu": row.gelu,
+                                         "published_bytes": published, "predicted_bytes": predicted,
+                                         "fused_gelu_bytes": fused, "ran": row.ran, "failed": row.failed,
+                                         "predicted_cap": cap})
     lines += ["", "## Largest micro-batch against the micro-batches lambda-2022 ran (each ran, so each is at most the "
               "maximum; NGC 22.x chose them to fill the card)", "",
               "| GPU | model | precision | ran | predicted maximum | predicted / ran |", "|---|---|---|---|---|---|"]

@@ -9,7 +9,7 @@ import time
 from hetcomm.plan.calibrate import RunProfile, load_run_profile
 from hetcomm.plan.catalog import Catalog, load_catalog
 from hetcomm.plan.cluster import parse_cluster
-from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, PRESETS, parse_model
+from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, GELUS, PRESETS, parse_model
 from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
 from hetcomm.plan.precision import parse_precision
 from hetcomm.plan.report import plan_dict, plan_text, simulation_dict, simulation_text
@@ -53,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
                      help="fused: scaled_dot_product_attention, scores never stored (hetcomm train, the default for "
                           "GPT models); eager: softmax(QK^T)V in separate kernels, seq x seq scores stored per head "
                           "(BERT-era code, HetSeq's included: the default for bert-* models)")
+    job.add_argument("--gelu", choices=GELUS, default="fused",
+                     help="fused: torch's F.gelu, one kernel (the default); composite: x*0.5*(1+erf(x/sqrt(2))) in "
+                          "elementwise ops, as BERT's code had it before transformers 2.x, which keeps two more "
+                          "4h-wide tensors per layer for backward (memory only; the step time counts one kernel)")
     job.add_argument("--overlap", action="store_true", help="buckets all-reduced during backward "
                                                             "(WeightedReducer overlap=True)")
     model = p.add_argument_group("the model of speed and memory")
@@ -126,7 +130,8 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
         precision = parse_precision(args.precision, catalog, [entry.device for entry in cluster])
         members = spec_members(cluster, model, seq, precision=precision, wire=args.wire,
                                memory_fraction=args.memory_fraction, efficiency=efficiency,
-                               attention=args.attention or ("eager" if model.kind == "bert" else "fused"))
+                               attention=args.attention or ("eager" if model.kind == "bert" else "fused"),
+                               gelu=args.gelu)
     plan = make_plan(members, model, seq, global_batch, in_node=in_node, between_nodes=between, wire=args.wire,
                      overlap=args.overlap, memory_fraction=args.memory_fraction)
     return plan, profile

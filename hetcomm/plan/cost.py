@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from hetcomm.plan.catalog import Device, Link
-from hetcomm.plan.model_shape import ATTENTIONS, ModelShape
+from hetcomm.plan.model_shape import ATTENTIONS, GELUS, ModelShape
 
 # The planner's precisions: the trainer's three, and tf32 (fp32 storage, matmuls on
 # Ampere's tensor cores in TF32, what NGC containers and PyTorch before 1.12 did by default).
@@ -103,6 +103,7 @@ class DeviceCost:
     update_seconds: float         # the optimizer update, once per optimizer step
     efficiency: float | None      # the share of peak FLOP/s assumed; None: measured line
     attention: str = "fused"
+    gelu: str = "fused"
 
     def memory_use(self, micro_batch: int) -> float:
         return self.state_bytes + self.activation_bytes * micro_batch
@@ -202,14 +203,18 @@ def matmul_seconds(device: Device, model: ModelShape, seq: int, precision: str, 
 def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, wire_bytes: int,
                 memory_fraction: float, efficiency: float | None = None, attention: str = "fused",
                 efficiencies: dict[tuple[str, str], float] | None = None,
-                activations: str | None = None) -> DeviceCost:
+                activations: str | None = None, gelu: str = "fused") -> DeviceCost:
     """The cost of `model` on `device` computing in `precision` (ValueError naming the
     device where the precision has no native support). `efficiency` overrides the
     fitted share of peak; `efficiencies` replaces the fitted table (for the fit itself);
     `activations` = "o2" costs fp16's activations as apex's amp O2 keeps them (the
-    published runs; the planner's own fp16 is autocast's)."""
+    published runs; the planner's own fp16 is autocast's). `gelu` = "composite" keeps
+    the MLP's GELU as BERT-era code wrote it (model_shape): more memory; the step time
+    still counts one GELU kernel, as every published speed measurement here ran one."""
     if attention not in ATTENTIONS:
         raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    if gelu not in GELUS:
+        raise ValueError(f"--gelu {gelu!r}: expected one of {', '.join(GELUS)}")
     simt_share, fp32_efficiency = 0.0, None   # a given efficiency is the whole share of peak
     if efficiency is None:
         table = fitted_efficiencies() if efficiencies is None else efficiencies
@@ -225,13 +230,13 @@ def device_cost(device: Device, model: ModelShape, seq: int, precision: str, *, 
     per_sample = (matmul_seconds(device, model, seq, precision, efficiency, simt_share, fp32_efficiency)
                   + memory_bound_seconds(device, model, seq, precision, attention, kept))
     state = parameters * (STATE_BYTES_PER_PARAMETER[storage] + wire_bytes) + CONTEXT_BYTES
-    activation = model.activation_bytes_per_sample(seq, kept, attention)
+    activation = model.activation_bytes_per_sample(seq, kept, attention, gelu)
     memory = device.memory_gib * 2**30 * memory_fraction
     return DeviceCost(precision=precision, fixed=fixed, per_sample=per_sample,
                       cap=micro_batch_cap(memory, state, activation), state_bytes=state,
                       activation_bytes=activation, memory_bytes=memory,
                       update_seconds=update_seconds(parameters, bandwidth, precision), efficiency=efficiency,
-                      attention=attention)
+                      attention=attention, gelu=gelu)
 
 
 def per_tensor_optimizer_seconds(device: Device, model: ModelShape, seq: int) -> float:

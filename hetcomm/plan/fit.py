@@ -99,7 +99,7 @@ class Measurement:
 
 class _PublishedBatch:
     """What a published run's model and precision mean to the planner (for the rows of
-    max_batch.csv and batch_bounds.csv)."""
+    max_batch.csv, batch_bounds.csv and forward_memory.csv)."""
 
     model: str
     task: str
@@ -157,11 +157,51 @@ class BatchBound(_PublishedBatch):
     citation: str
 
     def error(self, cap: int) -> float:
-        """How far `cap` lies outside [ran, failed - 1], relative to the bound it
-        crosses: 0 inside, positive above, negative below."""
-        if self.failed and cap >= self.failed:
-            return cap / (self.failed - 1) - 1
-        return min(0.0, cap / self.ran - 1)
+        return outside_bounds(cap, self.ran, self.failed)
+
+
+def outside_bounds(cap: int, ran: int, failed: int) -> float:
+    """How far `cap` lies outside [ran, failed - 1] (failed 0: no upper bound), relative
+    to the bound it crosses: 0 inside, positive above, negative below."""
+    if failed and cap >= failed:
+        return cap / (failed - 1) - 1
+    return min(0.0, cap / ran - 1)
+
+
+@dataclass(frozen=True)
+class ForwardMemory(_PublishedBatch):
+    """A published measurement of the memory a card held after one training forward
+    (the graph kept, before backward): the weights and what autograd keeps, at the
+    largest micro-batch whose forward fitted (`ran`), with the smallest that ran out of
+    memory (`failed`) on a card of `memory_gib`. It checks the activation count apart
+    from the optimizer's state, on a GPU."""
+
+    source: str
+    memory_gib: float   # the card's total capacity, as its out-of-memory messages report it
+    model: str
+    task: str
+    seq: int
+    precision: str
+    attention: str
+    gelu: str           # hetcomm.plan.model_shape.GELUS
+    weights_mib: float  # held before the forward
+    ran: int
+    after_forward_mib: float
+    failed: int
+    software: str
+    citation: str
+
+    def published_bytes_per_sample(self) -> float:
+        return (self.after_forward_mib - self.weights_mib) * 2**20 / self.ran
+
+    def predicted_bytes_per_sample(self) -> float:
+        return self.shape.saved_bytes_per_sample(self.seq, self.precision, self.attention, self.gelu)
+
+    def predicted_cap(self) -> int:
+        """The largest forward the model says fits: the card less the CUDA context and
+        the fp32 weights, over the kept bytes per sample."""
+        weights = self.shape.parameters(self.seq) * 4
+        return micro_batch_cap(self.memory_gib * 2**30, weights + CONTEXT_BYTES, self.predicted_bytes_per_sample())
 
 
 def _preset(model: str, task: str) -> ModelShape:
@@ -194,6 +234,13 @@ def load_batch_bounds(text: str | None = None) -> list[BatchBound]:
     """batch_bounds.csv (or `text` in its format); an empty `failed` reads as 0."""
     return [BatchBound(**{k: int(v or 0) if k in ("seq", "ran", "failed") else v for k, v in row.items()})
             for row in _rows("batch_bounds.csv", text)]
+
+
+def load_forward_memory(text: str | None = None) -> list[ForwardMemory]:
+    """forward_memory.csv (or `text` in its format)."""
+    integers, floats = ("seq", "ran", "failed"), ("memory_gib", "weights_mib", "after_forward_mib")
+    return [ForwardMemory(**{k: int(v) if k in integers else float(v) if k in floats else v for k, v in row.items()})
+            for row in _rows("forward_memory.csv", text)]
 
 
 def predict(row: Measurement, catalog: Catalog, efficiencies: dict[tuple[str, str], float]) -> float:

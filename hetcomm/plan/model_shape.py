@@ -31,6 +31,11 @@ The counts are per sample of `seq` tokens:
   and, in fp32, its output: 9 bytes per score for BERT in fp32, 7 under autocast. Apex's
   amp O2 (precision "o2" here: BERT only), which casts the whole model to fp16, keeps 34h
   per layer, 5h outside and 5 bytes per score.
+  With gelu="composite" (the MLP's GELU written out as x·0.5·(1 + erf(x/√2)), as BERT's
+  code had it until transformers 2.x; torch's F.gelu is one kernel that keeps its input),
+  each layer keeps three 4h-wide tensors there instead of one — the erf's input, x·0.5
+  and 1 + erf — 32h bytes more per token in fp32, 16h in 16-bit (the ops run in the
+  dtype of the linear layer's output).
 """
 
 import re
@@ -46,6 +51,8 @@ HEAD_INPUT_BYTES = {"gpt": {"fp32": 8, "fp16": 6, "bf16": 6},
 LOG_SOFTMAX_BYTES, LOSS_GRADIENT_BYTES = 4, 8                    # × vocabulary per token
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 ATTENTIONS = ("fused", "eager")
+GELUS = ("fused", "composite")
+COMPOSITE_GELU_EXTRA_TENSORS = 2   # 4h-wide tensors kept beyond F.gelu's one
 KINDS, HEADS = ("gpt", "bert"), ("lm", "mlm", "qa")
 # BERT pre-training masks 15% of the tokens, and its MLM head runs on those only (the
 # vocabulary-wide logits of the other 85% are never formed).
@@ -119,19 +126,23 @@ class ModelShape:
             per_score += 1 + (4 if precision == "fp32" else 0)
         return float(self.n_head * seq * per_score)
 
-    def saved_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused") -> float:
+    def saved_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused",
+                               gelu: str = "fused") -> float:
         """What autograd keeps from forward for backward."""
         h = self.n_embd
         layer = LAYER_ACTIVATION_BYTES[self.kind][precision] * h
         if attention == "eager":
             layer += self.score_bytes_per_token(seq, precision)
+        if gelu == "composite":
+            layer += COMPOSITE_GELU_EXTRA_TENSORS * 4 * h * (4 if precision == "fp32" else 2)
         per_token = (self.n_layer * layer + HEAD_INPUT_BYTES[self.kind][precision] * h
                      + LOG_SOFTMAX_BYTES * self.vocab_size * self._head_tokens())
         return float(per_token * seq)
 
-    def activation_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused") -> float:
+    def activation_bytes_per_sample(self, seq: int, precision: str, attention: str = "fused",
+                                    gelu: str = "fused") -> float:
         """The peak: what is kept, plus the loss's gradients at the start of backward."""
-        return (self.saved_bytes_per_sample(seq, precision, attention)
+        return (self.saved_bytes_per_sample(seq, precision, attention, gelu)
                 + float(LOSS_GRADIENT_BYTES * self.vocab_size * self._head_tokens() * seq))
 
     def describe(self, seq: int) -> str:

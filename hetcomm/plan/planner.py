@@ -117,7 +117,8 @@ def ring_link(nodes: set[int], in_node: Link, between_nodes: Link) -> Link:
 
 def spec_members(cluster: Sequence[ClusterDevice], model: ModelShape, seq: int, *,
                  precision: "str | PrecisionChoice" = "auto", wire: str = "fp16", memory_fraction: float = 0.9,
-                 efficiency: dict[str, float] | None = None, attention: str = "fused") -> list[Member]:
+                 efficiency: dict[str, float] | None = None, attention: str = "fused",
+                 gelu: str = "fused") -> list[Member]:
     """Members costed from the device database; `precision` is one for all ("auto":
     each card by hetcomm.amp's policy) or a PrecisionChoice per kind of card;
     `efficiency` maps device names to a calibrated share of peak (others get the
@@ -134,7 +135,8 @@ def spec_members(cluster: Sequence[ClusterDevice], model: ModelShape, seq: int, 
         if device.name not in costs:
             costs[device.name] = device_cost(device, model, seq, precision.for_device(device),
                                              wire_bytes=WIRE_BYTES[wire], memory_fraction=memory_fraction,
-                                             efficiency=efficiency.get(device.name), attention=attention)
+                                             efficiency=efficiency.get(device.name), attention=attention,
+                                             gelu=gelu)
         source = "specification" + (", calibrated efficiency" if device.name in efficiency else "")
         members.append(Member(device.name, device.label, entry.node, costs[device.name], source, device=device))
     return members
@@ -236,11 +238,12 @@ def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: 
     a smaller model when its state alone does not fit; otherwise 16-bit activations, a
     shorter sequence (micro-batches are already 1, so accumulation cannot help)."""
     largest = max(members, key=lambda m: m.device.memory_gib)
-    device, chosen, attention = largest.device, largest.cost.precision, largest.cost.attention
+    device, chosen = largest.device, largest.cost.precision
 
     def cost(seq_: int, precision_: str) -> DeviceCost:
         return device_cost(device, model, seq_, precision_, wire_bytes=WIRE_BYTES[wire],
-                           memory_fraction=memory_fraction, attention=attention)
+                           memory_fraction=memory_fraction, attention=largest.cost.attention,
+                           gelu=largest.cost.gelu)
 
     gib = 2**30
     here = cost(seq, chosen)

@@ -30,7 +30,7 @@ def plan_dict(plan: Plan) -> dict:
         "model": {"name": plan.model.name, "parameters": plan.model.parameters(plan.seq), "layers": plan.model.n_layer,
                   "heads": plan.model.n_head, "dim": plan.model.n_embd, "vocab": plan.model.vocab_size},
         "seq": plan.seq, "global_batch": plan.global_batch, "attention": plan.members[0].cost.attention,
-        "wire": plan.wire, "overlap": plan.overlap,
+        "gelu": plan.members[0].cost.gelu, "wire": plan.wire, "overlap": plan.overlap,
         "link": {"name": plan.link.name, "bandwidth_gbs": plan.link.bandwidth_gbs, "latency_us": plan.link.latency_us},
         "devices": _member_rows(plan),
         "left_out": [{"device": x.member.name, "label": x.member.label, "machine": x.member.node, "reason": x.reason}
@@ -60,7 +60,7 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
     machines = len({m.node for m in plan.members})
     lines = [f"hetcomm plan: {plan.model.describe(plan.seq)}",
              f"  seq {plan.seq}, global batch {plan.global_batch} sequences, {plan.members[0].cost.attention} "
-             f"attention, {plan.wire} wire"
+             f"attention, {'composite GELU, ' if plan.members[0].cost.gelu == 'composite' else ''}{plan.wire} wire"
              + (", all-reduce overlapped with backward" if plan.overlap else ", all-reduce after backward"),
              f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; all-reduce paced by "
              f"{plan.link.label} ({plan.link.bandwidth_gbs:.2f} GB/s, {plan.link.latency_us:g} us)"]

@@ -11,6 +11,7 @@ activations, and are left out. Needs the `hf` extra (transformers).
 """
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +53,22 @@ def _as_on_a_gpu(autocast: bool):
         F.dropout, F.softmax = dropout, softmax
 
 
-def bert_saved_bytes(shape: ModelShape, n_layer: int, seq: int, batch: int, precision: str, attention: str) -> int:
+class CompositeGELU(torch.nn.Module):
+    """GELU as BERT's code wrote it until transformers 2.x: five elementwise ops, whose
+    backward keeps three tensors where F.gelu keeps one."""
+
+    def forward(self, x):
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def bert_saved_bytes(shape: ModelShape, n_layer: int, seq: int, batch: int, precision: str, attention: str,
+                     gelu: str = "fused") -> int:
     """Bytes saved for backward by one training forward of a BertForQuestionAnswering of
     `shape`'s width, heads and vocabulary with n_layer layers, at `batch` × `seq`
     tokens; precision "fp32", "bf16"/"fp16" for autocast (bf16 on the CPU: the same
     2-byte storage), or "o2": the whole model cast to 16-bit, as apex's amp O2 runs it
     (softmax and LayerNorm in 16-bit too); attention "eager" or "fused" (SDPA without attention dropout,
-    which the CPU's flash kernel then runs)."""
+    which the CPU's flash kernel then runs); gelu "fused" (F.gelu) or "composite" (CompositeGELU)."""
     from transformers import BertConfig, BertForQuestionAnswering
 
     config = BertConfig(vocab_size=shape.vocab_size, hidden_size=shape.n_embd, num_hidden_layers=n_layer,
@@ -68,6 +78,9 @@ def bert_saved_bytes(shape: ModelShape, n_layer: int, seq: int, batch: int, prec
         config.attention_probs_dropout_prob = 0.0
     torch.manual_seed(0)
     model = BertForQuestionAnswering(config).train()
+    if gelu == "composite":
+        for layer in model.bert.encoder.layer:
+            layer.intermediate.intermediate_act_fn = CompositeGELU()
     if precision == "o2":
         model = model.to(torch.bfloat16)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -96,12 +109,12 @@ def bert_saved_bytes(shape: ModelShape, n_layer: int, seq: int, batch: int, prec
     return sum(storages.values())
 
 
-def measure_bert(shape: ModelShape, seq: int, precision: str, attention: str) -> SavedBytes:
+def measure_bert(shape: ModelShape, seq: int, precision: str, attention: str, gelu: str = "fused") -> SavedBytes:
     """Per sample: the layers' and the rest's saved bytes, from 1- and 2-layer models at
     batches 1 and 2 (every count is linear in both)."""
     def per_sample(n_layer):
-        return (bert_saved_bytes(shape, n_layer, seq, 2, precision, attention)
-                - bert_saved_bytes(shape, n_layer, seq, 1, precision, attention))
+        return (bert_saved_bytes(shape, n_layer, seq, 2, precision, attention, gelu)
+                - bert_saved_bytes(shape, n_layer, seq, 1, precision, attention, gelu))
 
     one, two = per_sample(1), per_sample(2)
     return SavedBytes(layer=float(two - one), outside=float(one - (two - one)))
