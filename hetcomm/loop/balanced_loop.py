@@ -241,7 +241,8 @@ class BalancedLoop:
 
     def choose_next_split(self, everyone: list[list[float]], step_samples: int, timed_first: bool) -> None:
         """The split of the next step, from every rank's gathered row (the same on every
-        rank). When a timed first step gave its split, that step's own times are left
+        rank). After a timed first step, the split its second and third parts' throughputs
+        ask for (LoopStep._first_step_in_parts); the rebalancer leaves that step's times
         out: they add mostly one-time costs (allocator growth, thread pools, autotuning;
         10% on CPU), which would inflate the noise estimate that holds the next change back."""
         self.stop_agreed = self.stop_agreed or any(row[GATHERED.index("stop")] > 0 for row in everyone)
@@ -260,6 +261,9 @@ class BalancedLoop:
         elif following == self.equal_steps:
             # The end of the equal phase: the first profile's best split, adopted outright.
             sizes = solve_split(self.global_batch, self.rebalancer.rebalancer.model(), self.caps).sizes
+        elif timed_first:
+            rates = [(0.0, seconds / samples) for seconds, samples in zip(times, measured)]
+            sizes = solve_split(self.global_batch, rates, self.caps).sizes
         elif self.balance == "static":
             sizes = self.split
         else:

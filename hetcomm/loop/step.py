@@ -186,8 +186,18 @@ class LoopStep:
              than it will in training);
           3. the step's split follows the second part's throughputs within the memory
              caps, each rank keeping at least the samples it has done, and the rest of
-             the step is dealt by it; the next steps take the split those throughputs
-             ask for (first_splits).
+             the step is dealt by it.
+
+        The next steps' split is chosen at reduce() from the second and third parts
+        together (measured: the rank's seconds and samples in both): dealt to finish
+        together, they time every rank over the whole step but its first sample, where
+        the second part alone, which this step's split had to rest on, times it over
+        half of it. A first split rests on that timing until the rebalancer's estimates
+        beat the noise margin (on a noisy host, 10-20 steps), so its noise costs on
+        every step; taking this step's own split for the steps after would also keep the
+        floor of samples done, which a rank timed fast on its one sample overshoots (a
+        GPT benchmark run began at 36/36/14/10 where about 35/35/17/9 was right: 25%
+        over the bound a step, for the five steps the rebalancer took to move it).
 
         A faster rank waits for the slowest rank's first sample, and for the second part
         only as long as the first samples misjudged the speeds."""
@@ -208,16 +218,19 @@ class LoopStep:
             self._retarget(done[rank])
             seconds = yield from self._run(loop.sampler.take(more))
             rates = [(0.0, row[0] / k) for row, k in zip(gather_floats([seconds]), more)]
+            timed = (seconds, more[rank])
         else:   # one sample per rank is the whole equal share
             done, rates = [1] * world, [(0.0, t) for t in singles]
-        split, following = first_splits(batch, rates, loop.caps, done)
+            timed = (first, 1)
+        split = solve_split(batch, rates, loop.caps, min_per_rank=done).sizes
         self._retarget(split[rank])
-        loop.set_split(following)
+        loop.set_split(split)
         loop.time_first_step = False
         loop.first_timing_seconds = time.perf_counter() - start   # the waits for the slowest rank's parts included
         self.split = split
         rest = [b - d for b, d in zip(split, done)]
-        yield from self._run(loop.sampler.take(rest) if sum(rest) else [])
+        seconds = yield from self._run(loop.sampler.take(rest) if sum(rest) else [])
+        self.measured = (timed[0] + seconds, timed[1] + rest[rank])
 
     def _with_handoff(self, indices: list[int]):
         """The rank's share as dealt, with a report at the first micro-batch's backward
@@ -374,21 +387,9 @@ def _checked_count(count):
     return count
 
 
-
 def _no_stretch() -> None:
     """No simulated speed: nothing to wait for."""
 
-
-def first_splits(batch: int, rates, caps, done: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The first step's split, in which each rank keeps at least the samples it has done
-    in the timed parts, and the split of the steps after it, which the throughputs alone
-    decide. A rank whose one sample was timed fast is dealt more of the second part than
-    its speed asks for of the whole step; kept for the steps after, that floor also left
-    the other shares to the solver's tie rule. A GPT benchmark run began at 36/36/14/10
-    where about 35/35/17/9 was right (rank 3 the slowest): 25% over the bound a step, for
-    the five steps the rebalancer took to move it."""
-    this_step = solve_split(batch, rates, caps, min_per_rank=done).sizes
-    return this_step, solve_split(batch, rates, caps).sizes
 
 
 @dataclass
