@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed import run_ranks, values
 from torch import nn
 
-from hetcomm.balance import WeightedDistributedSampler, solve_split
+from hetcomm.balance import WeightedDistributedSampler
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.batches import micro_batches
 from hetcomm.train.simulate import SimulatedSpeed, Slowdown
