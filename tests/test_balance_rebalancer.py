@@ -84,6 +84,27 @@ def test_two_stalled_steps_end_where_they_began():
     assert rebalancer.speeds[1] == pytest.approx(SPEEDS[1], rel=0.05)
 
 
+def test_a_stall_of_two_steps_on_most_ranks_leaves_no_estimate_behind():
+    # Ranks 1-3 run 1.4x slower on steps 30 and 31 (a shared host busy for two steps), 3%
+    # noise, training settings. The two steps confirm a shift on each; the next measurement,
+    # back at the old level, brings the estimates from before back and the split with them.
+    # Over the 28 steps after the stall, 10 seeds lose 0.04% on average; begun afresh at the
+    # stall's speed (and a trial back up undone as a stall when the next measurement fell
+    # short of the shift bound), the means held splits off the best for 6-28 steps in 8
+    # seeds and lost 2.7% (a GPT benchmark run held a rank 3 samples off for 10 steps).
+    busy = lambda step: [s / 1.4 if step in (30, 31) and i else s for i, s in enumerate(SPEEDS)]  # noqa: E731
+    lost = []
+    for seed in range(10):
+        rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED, **TRAINING_SETTINGS)
+        decisions = simulate(rebalancer, busy, steps=60, noise=0.03, seed=seed)
+        assert all(d.sizes == BALANCED for d in decisions[33:]), seed
+        lost.append(sum(true_step_time(d.sizes, SPEEDS) for d in decisions[32:])
+                    / (28 * optimal_step_time(SPEEDS)) - 1)
+        assert [s * math.exp(rebalancer.level) for s in rebalancer.speeds] == pytest.approx(SPEEDS, rel=0.05)
+        assert rebalancer.pre_shift == [None] * 4
+    assert statistics.fmean(lost) < 0.002
+
+
 def test_the_split_follows_a_confirmed_shift_at_once():
     # Rank 0 throttles to a third; the step it starts in measures it at half its speed (it
     # slowed within that step). The trial's split follows that first measurement; the next

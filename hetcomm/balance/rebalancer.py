@@ -58,6 +58,11 @@ split in use rests on it as much as any other does, so the shifted rank's uncert
 widens no margin of a move that takes samples off it. A throttling card so costs
 one slow step instead of several, and a stall two steps at a split that is off by the
 stall's share; a slow step costs far more than a slightly uneven one.
+
+While the mean begun at a confirmed shift is young, a measurement back at the level from
+before (within the shift bound of the estimate from before, and nearer it than the new
+one) brings that estimate back whole, and the split follows at once: the shift was a
+stall of more than one step (a shared host busy for two), or a throttle that ended.
 """
 
 import math
@@ -151,6 +156,8 @@ class Rebalancer:
         self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
         self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
         self.since_shift = [False] * ranks   # the rank's level was last set by a confirmed shift
+        # While that mean is young: the estimate, its count and since_shift from before the shift.
+        self.pre_shift: list[tuple[float, int, bool] | None] = [None] * ranks
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.settled = False                 # a shift was confirmed in the last update
         self.steps_since_change = 0
@@ -220,10 +227,15 @@ class Rebalancer:
                 # Confirmed: a new mean starts from this measurement alone. The trial's is
                 # the one to distrust: the card changed speed within that step, or it handed
                 # samples off and its time was predicted from one micro-batch's forward.
+                self.pre_shift[i] = (before, self.level_count[i], self.since_shift[i])
                 self.speeds[i], self.recent[i], self.level_count[i], self.settled = speed, [speed], 1, True
                 self.since_shift[i] = True
                 return
             self.shifted = True                              # a stall: back to the estimate from before
+        if self._back_before_shift(i, speed):
+            self.speeds[i], self.level_count[i], self.since_shift[i] = self.pre_shift[i]
+            self.recent[i], self.pre_shift[i], self.shifted = [speed], None, True
+            return
         if self.recent[i] and self._beyond_shift_bound(i, speed):
             self.trial_from[i], self.speeds[i], self.shifted = self.speeds[i], speed, True
             return
@@ -241,9 +253,31 @@ class Rebalancer:
         weight = max(self.smoothing, 1 / self.level_count[i])   # the mean, then the moving average
         self.speeds[i] = (1 - weight) * self.speeds[i] + weight * statistics.median(recent)
 
+    def _shift_bound(self, rank: int) -> float:
+        return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
+
     def _beyond_shift_bound(self, rank: int, speed: float) -> bool:
-        bound = max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
-        return abs(math.log(speed / self.speeds[rank])) > bound
+        return abs(math.log(speed / self.speeds[rank])) > self._shift_bound(rank)
+
+    def _back_before_shift(self, rank: int, speed: float) -> bool:
+        """Whether a measurement lands back at the level from before a confirmed shift
+        while the mean begun at the shift is still young: within the shift bound of the
+        estimate from before, and nearer it than the new one. The shift was then a stall
+        of more than one step (a shared host busy for two steps: three ranks read 25-35%
+        slow twice in a GPT benchmark run), or a throttle that has ended, and the
+        estimate from before comes back whole. A mean begun at the stall's speed would
+        take the 10-20 steps a mean needs to leave it, and a trial back up to the old
+        level is undone as a stall when the next measurement falls short of the shift
+        bound (the benchmark run held a rank at 20 samples where 23 were right for 10
+        steps after the stall)."""
+        if self.pre_shift[rank] is None:
+            return False
+        if not self._newly_shifted(rank):
+            self.pre_shift[rank] = None
+            return False
+        before = self.pre_shift[rank][0]
+        to_before, to_now = abs(math.log(speed / before)), abs(math.log(speed / self.speeds[rank]))
+        return to_before < to_now and to_before <= self._shift_bound(rank)
 
     def relative_errors(self) -> list[float]:
         """Per rank, the relative standard error of its speed estimate: sqrt(v_i / n) for
@@ -339,6 +373,7 @@ class Rebalancer:
                 "variances": list(self.variances), "measured": list(self.measured),
                 "level_count": list(self.level_count), "level": self.level, "level_steps": self.level_steps,
                 "trial_from": list(self.trial_from), "since_shift": list(self.since_shift),
+                "pre_shift": [None if p is None else list(p) for p in self.pre_shift],
                 "shifted": self.shifted, "settled": self.settled,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
@@ -357,6 +392,8 @@ class Rebalancer:
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
         self.since_shift = [bool(b) for b in state.get("since_shift", [False] * len(self.sizes))]
+        self.pre_shift = [None if p is None else (float(p[0]), int(p[1]), bool(p[2]))
+                          for p in state.get("pre_shift", [None] * len(self.sizes))]
         # States saved before the cluster's level was taken apart hold it in their speeds.
         self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
         self.shifted = bool(state.get("shifted", False))
