@@ -232,6 +232,8 @@ class Rebalancer:
                 self.since_shift[i] = True
                 return
             self.shifted = True                              # a stall: back to the estimate from before
+        if self.pre_shift[i] is not None and not self._newly_shifted(i):
+            self.pre_shift[i] = None                         # the new mean is long: the old level is history
         if self._back_before_shift(i, speed):
             self.speeds[i], self.level_count[i], self.since_shift[i] = self.pre_shift[i]
             self.recent[i], self.pre_shift[i], self.shifted = [speed], None, True
@@ -271,9 +273,6 @@ class Rebalancer:
         bound (the benchmark run held a rank at 20 samples where 23 were right for 10
         steps after the stall)."""
         if self.pre_shift[rank] is None:
-            return False
-        if not self._newly_shifted(rank):
-            self.pre_shift[rank] = None
             return False
         before = self.pre_shift[rank][0]
         to_before, to_now = abs(math.log(speed / before)), abs(math.log(speed / self.speeds[rank]))

@@ -391,7 +391,6 @@ def _no_stretch() -> None:
     """No simulated speed: nothing to wait for."""
 
 
-
 @dataclass
 class _Reporting:
     """A step's handoff report and what came back of it."""
