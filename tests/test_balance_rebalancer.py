@@ -180,12 +180,55 @@ def test_a_trial_measured_off_is_not_held_after_the_shift():
         assert statistics.fmean(excess) < bound, trial_error
 
 
+def test_a_first_step_far_off_is_left_out_of_the_estimate():
+    # Warm-up the ranks do not share alike: rank 0's first measurement 10% slow, the next
+    # three exact. A mean of medians kept it in the estimate, 3.4% slow beside its equal
+    # twin (enough to hold a split a sample off); the Hodges-Lehmann estimate leaves it out.
+    rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
+    for step in range(4):
+        times = [b / s for b, s in zip(BALANCED, SPEEDS)]
+        if step == 0:
+            times[0] *= 1.1
+        rebalancer.observe(times)
+    (_, per_sample_0), (_, per_sample_1), *_ = rebalancer.model()
+    assert per_sample_1 / per_sample_0 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_a_confirming_step_read_fast_does_not_hold_the_split():
+    # Rank 1 throttles to a quarter at step 10: the trial reads it 8% fast (a handoff
+    # step's time predicted from a forward) and the confirming step 6% fast (the ranks that
+    # took its samples over are slow at their new sizes, and the correction for what all
+    # ranks share hands that to it), then exact. A new mean kept half of the 6% two steps
+    # later and 1.8% four steps later, and held a split a sample too heavy on rank 1 to the
+    # end (as in every throttled GPT benchmark run: 49/12 where 50/11 was best, for 10-19
+    # steps); the robust estimate sets it aside, and the best split comes once the
+    # cool-down ends.
+    batch = 4 * GLOBAL_BATCH
+    slowed = [SPEEDS[0], SPEEDS[1] / 4, SPEEDS[2], SPEEDS[3]]
+    best = solve_split(batch, [(0.0, 1 / s) for s in slowed]).sizes
+    rebalancer = Rebalancer(batch, solve_split(batch, [(0.0, 1 / s) for s in SPEEDS]).sizes, **TRAINING_SETTINGS)
+    splits = []
+    for step in range(30):
+        speeds = SPEEDS if step < 10 else slowed
+        times = [b / s for b, s in zip(rebalancer.sizes, speeds)]
+        if step in (10, 11):
+            times[1] /= 1.08 if step == 10 else 1.06
+        rebalancer.observe(times)
+        splits.append(rebalancer.sizes)
+    assert splits[10] != best                     # the trial's split, on the fast reading
+    assert splits[14:] == [best] * 16
+
+
 def test_follows_a_card_that_recovers():
+    # The split follows the slowdown at once (and may be corrected by a sample when the
+    # shift is confirmed on the next step), holds the best split for it, and comes back.
     slowed = [SPEEDS[0] / 3] + SPEEDS[1:]
     rebalancer = Rebalancer(GLOBAL_BATCH, BALANCED)
     speeds_at = lambda step: slowed if 20 <= step < 40 else SPEEDS  # noqa: E731
     decisions = simulate(rebalancer, speeds_at, steps=60, noise=0.02)
-    assert [step for step, d in enumerate(decisions) if d.changed] == [20, 40]
+    changes = [step for step, d in enumerate(decisions) if d.changed]
+    assert changes[0] == 20 and 40 in changes and set(changes) <= {20, 21, 40, 41}
+    assert true_step_time(decisions[39].sizes, slowed) == pytest.approx(optimal_step_time(slowed))
     assert rebalancer.sizes == BALANCED
 
 
@@ -232,6 +275,26 @@ def test_state_dict_resumes_the_same_decisions(stop):
     assert [step for step, d in enumerate(expected) if d.changed][0] == 20
     assert head + tail == expected
     assert resumed.state_dict() == straight.state_dict()
+
+
+def test_a_state_saved_before_the_robust_estimate_loads():
+    # Checkpoints from before it hold no since_level, and a pre_shift of three fields: a
+    # young mean stands in for each of the measurements it averaged (an estimate past its
+    # first 1/smoothing measurements needs none).
+    slowed = lambda step: SPEEDS if step < 20 else [SPEEDS[0] / 3] + SPEEDS[1:]  # noqa: E731
+    saved = Rebalancer(GLOBAL_BATCH, BALANCED)
+    simulate(saved, slowed, steps=24, noise=0.05, seed=4)
+    state = saved.state_dict()
+    del state["since_level"]
+    state["pre_shift"] = [None if p is None else p[:3] for p in state["pre_shift"]]
+    loaded = Rebalancer(GLOBAL_BATCH, BALANCED)
+    loaded.load_state_dict(state)
+    assert saved.level_count[0] <= 20 < min(saved.level_count[1:])   # rank 0 young since its shift, the rest not
+    assert loaded.since_level == [[saved.speeds[0]] * saved.level_count[0], [], [], []]
+    before, count = state["pre_shift"][0][:2]
+    assert loaded.pre_shift[0][3] == [before] * count
+    simulate(loaded, slowed, steps=10, noise=0.05, seed=4, start=24)
+    assert true_step_time(loaded.sizes, slowed(30)) <= 1.02 * optimal_step_time(slowed(30))
 
 
 def test_speeds_are_measured_on_the_samples_each_rank_did():

@@ -6,21 +6,27 @@ speed factor s_i: a card that throttles, or shares its host, slows down as a who
 Each step, s_i is measured as the profile's prediction for the samples the rank
 processed over the compute time it took (excluding any wait for other ranks). Without
 profiles the shape is a = 0, c = 1 and s_i is plainly the rank's throughput in samples
-per second. Each measurement is first replaced by the median of the rank's last three,
-so a step somewhat off (a page fault, a collector pause) moves little; the estimate is
-then the plain mean of these since the rank's level was last set (its first
-measurement, or a confirmed shift), and once that holds 1/`smoothing` of them, an
-exponentially weighted moving average with weight `smoothing`. A mean converges on
-the true speed fastest; the average keeps following slow drifts (a card warming up),
-while sudden changes are handled apart (below), so the average can be long (0.05:
-about the last 40 steps).
+per second. The estimate is the Hodges-Lehmann estimate (the median of the means of all
+pairs, each measurement paired with itself too) of the measurements since the rank's
+level was last set (its first measurement, or a confirmed shift) until 1/`smoothing` of
+them are in, then an exponentially weighted moving average with weight `smoothing` of
+the median of the rank's last three (so a step somewhat off, a page fault or a collector
+pause, moves little). Not their mean: the first steps of a run carry warm-up that the
+ranks do not share alike (in a BERT benchmark run one rank read 10% slower than its equal
+twin in its first balanced step), and a mean holds such a step for the 20 steps it takes
+to forget it; the first measurement after a confirmed shift is as suspect (below). A
+step far off moves the Hodges-Lehmann estimate little (it takes 29% of the measurements
+to carry it away), and on normal noise it is nearly as precise as the mean (its standard
+error is sqrt(π/3) of the mean's; a plain median's is sqrt(π/2) of it). The moving
+average keeps following slow drifts (a card warming up), while sudden changes are
+handled apart (below), so it can be long (0.05: about the last 40 steps).
 
 What every rank does alike in a step (the median of the ranks' deviations from their
 estimates) is taken out of each measurement before it is folded in, and followed by a
 level of the whole cluster instead, in the same way; the model is the estimates times
 that level. Only the speeds relative to one another decide a split, and they must not
-depend on when each rank's level was last set: a card that throttles starts a new mean,
-while the others' means still hold the slower first steps (warm-up, 5-10% on CPU) or a
+depend on when each rank's level was last set: a card that throttles starts a new estimate,
+while the others' estimates still hold the slower first steps (warm-up, 5-10% on CPU) or a
 speed they had before the throttle freed their shared cores; their relative speeds
 were then off by as much, and a split one sample off was held for the rest of a run.
 
@@ -30,36 +36,40 @@ but a change costs nothing here but another count of samples per rank, while wha
 split leaves on the table is lost on every step) with a noise margin on the ranks that
 would get more samples: each such rank's predicted time is taken 1.5 standard errors
 slower (of the difference between its estimate and the current slowest rank's; the
-relative standard error of an estimate is sqrt(v_i/n) for a mean of n measurements,
+relative standard error of an estimate is sqrt(π/3 · v_i/n) for the Hodges-Lehmann
+estimate of n measurements (sqrt(v_i/n) for n ≤ 2, where it is their mean),
 sqrt(v_i·α/(2−α)) for the average with weight α, v_i being the averaged squared
 relative deviation of one measurement). A new split can only lose by loading a rank
-whose speed is over-estimated; the time the slowest rank saves by giving samples away
-is as certain as its own per-sample time, and a noisy rank whose share stays put holds
-nothing back. So on a quiet cluster the threshold alone decides, on a noisy one (CPU
-processes sharing cores) a move onto a rank must stand out of the noise, and the
-margin shrinks as measurements come in. The gain must hold on `patience` consecutive
-steps, and after a change no other change happens for `cooldown` steps (the new
-split's measurements have to come in first).
+whose speed is over-estimated; the time the slowest rank saves by giving samples away is
+as certain as its own per-sample time, and a noisy rank whose share stays put holds
+nothing back. So on a quiet cluster the
+threshold alone decides, on a noisy one (CPU processes sharing cores) a move onto a rank
+must stand out of the noise, and the margin shrinks as measurements come in. The gain
+must hold on `patience` consecutive steps, and after a change no other change happens
+for `cooldown` steps (the new split's measurements have to come in first).
 
 A level shift is handled apart, at once: a measurement at least 25% and five of the
 rank's own standard deviations away from its estimate (a card that starts throttling,
 or a stall) moves the estimate to it on trial, and the split follows on the next step
 if that gains more than the threshold, with no patience and no cool-down. The rank's
 next measurement settles the trial: still as far on the same side, the shift is real
-and a new mean starts from that measurement alone, which the split follows at once
-too, this time with the noise margin (the trial's first split rested on one
+and a new estimate starts from that measurement alone (the step after a handoff finds
+the ranks that took samples over at sizes new to them, 3-10% slow in the benchmark runs,
+and the correction for what every rank does alike then reads the shifted rank as fast by
+as much; the robust estimate sets that measurement aside as the next ones come in),
+which the split follows at once too, this time with the noise margin (the trial's first split rested on one
 measurement, and the cool-down it started would hold a card that throttled one sample
 too heavy for several steps); otherwise it was a stall, and the estimate (and with it
 the split) goes back. The trial's measurement is left out because it is the one to
 distrust: the card changed speed within that step, or it handed samples off and its
 time was predicted from one micro-batch's forward (8% fast in a benchmark run, which
-held the card two samples too heavy for 8 steps). Until the new mean is long, the
+held the card two samples too heavy for 8 steps). Until the new estimate is long, the
 split in use rests on it as much as any other does, so the shifted rank's uncertainty
 widens no margin of a move that takes samples off it. A throttling card so costs
 one slow step instead of several, and a stall two steps at a split that is off by the
 stall's share; a slow step costs far more than a slightly uneven one.
 
-While the mean begun at a confirmed shift is young, a measurement back at the level from
+While the estimate begun at a confirmed shift is young, a measurement back at the level from
 before (within the shift bound of the estimate from before, and nearer it than the new
 one) brings that estimate back whole, and the split follows at once: the shift was a
 stall of more than one step (a shared host busy for two), or a throttle that ended.
@@ -99,6 +109,11 @@ VARIANCE_MEMORY = 20
 MARGIN_ERRORS = 1.5
 
 
+def hodges_lehmann(values: Sequence[float]) -> float:
+    """The median of the means of all pairs of values, each value paired with itself too."""
+    return statistics.median([(a + b) / 2 for k, a in enumerate(values) for b in values[k:]])
+
+
 @dataclass(frozen=True)
 class RebalanceDecision:
     """The split to use from the next step on."""
@@ -119,7 +134,8 @@ class Rebalancer:
         sizes: the split in use now.
         profiles: per rank the profiled (fixed, per_sample) shape; None: throughput only.
         threshold: the least predicted speed-up, minus 1, worth a change (before the noise margin).
-        smoothing: the moving average's weight of a new measurement (before 1/smoothing of them, their mean).
+        smoothing: the moving average's weight of a new measurement (until 1/smoothing of them are in,
+            their Hodges-Lehmann estimate instead).
         patience: consecutive steps the gain must hold. cooldown: steps after a change with no other.
     """
 
@@ -153,11 +169,12 @@ class Rebalancer:
         self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER measurements, common part out
         self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
         self.measured = [0] * ranks          # measurements folded into v_i
-        self.level_count = [0] * ranks       # medians averaged into s_i since its level was last set
+        self.level_count = [0] * ranks       # measurements folded into s_i since its level was last set
+        self.since_level: list[list[float]] = [[] for _ in range(ranks)]  # those, while s_i is made of them
         self.trial_from: list[float | None] = [None] * ranks  # the estimate before a shift not yet confirmed
         self.since_shift = [False] * ranks   # the rank's level was last set by a confirmed shift
-        # While that mean is young: the estimate, its count and since_shift from before the shift.
-        self.pre_shift: list[tuple[float, int, bool] | None] = [None] * ranks
+        # While that estimate is young: the estimate, its count, since_shift and since_level from before the shift.
+        self.pre_shift: list[tuple[float, int, bool, list[float]] | None] = [None] * ranks
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.settled = False                 # a shift was confirmed in the last update
         self.steps_since_change = 0
@@ -224,27 +241,27 @@ class Rebalancer:
             before, jumped = self.trial_from[i], self.speeds[i]
             self.trial_from[i], self.speeds[i] = None, before
             if self._beyond_shift_bound(i, speed) and (speed > before) == (jumped > before):
-                # Confirmed: a new mean starts from this measurement alone. The trial's is
+                # Confirmed: a new estimate starts from this measurement alone. The trial's is
                 # the one to distrust: the card changed speed within that step, or it handed
                 # samples off and its time was predicted from one micro-batch's forward.
-                self.pre_shift[i] = (before, self.level_count[i], self.since_shift[i])
-                self.speeds[i], self.recent[i], self.level_count[i], self.settled = speed, [speed], 1, True
-                self.since_shift[i] = True
+                self.pre_shift[i] = (before, self.level_count[i], self.since_shift[i], self.since_level[i])
+                self._set_level(i, speed)
+                self.since_shift[i], self.settled = True, True
                 return
             self.shifted = True                              # a stall: back to the estimate from before
         if self.pre_shift[i] is not None and not self._newly_shifted(i):
-            self.pre_shift[i] = None                         # the new mean is long: the old level is history
+            self.pre_shift[i] = None                         # the new estimate is long: the old level is history
         if self._back_before_shift(i, speed):
-            self.speeds[i], self.level_count[i], self.since_shift[i] = self.pre_shift[i]
+            self.speeds[i], self.level_count[i], self.since_shift[i], self.since_level[i] = self.pre_shift[i]
             self.recent[i], self.pre_shift[i], self.shifted = [speed], None, True
             return
         if self.recent[i] and self._beyond_shift_bound(i, speed):
             self.trial_from[i], self.speeds[i], self.shifted = self.speeds[i], speed, True
             return
-        recent = self.recent[i] = (self.recent[i] + [speed])[-SPIKE_FILTER:]
-        if len(recent) == 1:
-            self.speeds[i], self.level_count[i] = speed, 1   # the first measurement
+        if not self.recent[i]:
+            self._set_level(i, speed)                        # the first measurement
             return
+        recent = self.recent[i] = (self.recent[i] + [speed])[-SPIKE_FILTER:]
         # The noise of a single measurement, which is what the shift bound tests (the
         # median's is smaller, so the noise margin built on it errs on the safe side).
         self.measured[i] += 1
@@ -252,8 +269,21 @@ class Rebalancer:
         deviation = math.log(speed / self.speeds[i])
         self.variances[i] = (1 - weight) * self.variances[i] + weight * unbias * deviation ** 2
         self.level_count[i] += 1
-        weight = max(self.smoothing, 1 / self.level_count[i])   # the mean, then the moving average
-        self.speeds[i] = (1 - weight) * self.speeds[i] + weight * statistics.median(recent)
+        if self._young(i):
+            self.since_level[i] = self.since_level[i] + [speed]
+            self.speeds[i] = hodges_lehmann(self.since_level[i])
+        else:
+            self.since_level[i] = []
+            self.speeds[i] = (1 - self.smoothing) * self.speeds[i] + self.smoothing * statistics.median(recent)
+
+    def _set_level(self, i: int, speed: float) -> None:
+        """Rank i's level starts (again) from this one measurement."""
+        self.speeds[i], self.recent[i], self.level_count[i], self.since_level[i] = speed, [speed], 1, [speed]
+
+    def _young(self, i: int) -> bool:
+        """Whether rank i's estimate is the Hodges-Lehmann estimate of the measurements
+        since its level was set: until 1/smoothing of them are in."""
+        return self.level_count[i] <= round(1 / self.smoothing)
 
     def _shift_bound(self, rank: int) -> float:
         return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
@@ -263,15 +293,15 @@ class Rebalancer:
 
     def _back_before_shift(self, rank: int, speed: float) -> bool:
         """Whether a measurement lands back at the level from before a confirmed shift
-        while the mean begun at the shift is still young: within the shift bound of the
+        while the estimate begun at the shift is still young: within the shift bound of the
         estimate from before, and nearer it than the new one. The shift was then a stall
         of more than one step (a shared host busy for two steps: three ranks read 25-35%
         slow twice in a GPT benchmark run), or a throttle that has ended, and the
-        estimate from before comes back whole. A mean begun at the stall's speed would
-        take the 10-20 steps a mean needs to leave it, and a trial back up to the old
-        level is undone as a stall when the next measurement falls short of the shift
-        bound (the benchmark run held a rank at 20 samples where 23 were right for 10
-        steps after the stall)."""
+        estimate from before comes back whole. An estimate begun at the stall's speed would
+        take several steps to leave it, and a trial back up to the old level is undone
+        as a stall when the next measurement falls short of the shift bound (the
+        benchmark run held a rank at 20 samples where 23 were right for 10 steps after
+        the stall)."""
         if self.pre_shift[rank] is None:
             return False
         before = self.pre_shift[rank][0]
@@ -279,10 +309,17 @@ class Rebalancer:
         return to_before < to_now and to_before <= self._shift_bound(rank)
 
     def relative_errors(self) -> list[float]:
-        """Per rank, the relative standard error of its speed estimate: sqrt(v_i / n) for
-        a mean of n measurements, sqrt(v_i·α/(2−α)) for the moving average."""
+        """Per rank, the relative standard error of its speed estimate: sqrt(π/3 · v_i / n)
+        for the Hodges-Lehmann estimate of n measurements (its large-sample figure;
+        sqrt(v_i / n) for n ≤ 2, where it is their mean), sqrt(v_i·α/(2−α)) for the
+        moving average."""
         average = self.smoothing / (2 - self.smoothing)
-        return [math.sqrt(v * max(average, 1 / max(1, n))) for v, n in zip(self.variances, self.level_count)]
+        errors = []
+        for i, (v, n) in enumerate(zip(self.variances, self.level_count)):
+            n = max(1, n)
+            share = (1 / n if n <= 2 else math.pi / 3 / n) if self._young(i) else average
+            errors.append(math.sqrt(v * share))
+        return errors
 
     def _margins(self, current_times: list[float]) -> list[float]:
         """Per rank, the factor its predicted time is taken slower by when it would get
@@ -296,7 +333,7 @@ class Rebalancer:
         return [1 + MARGIN_ERRORS * math.hypot(e, held_up) for e in errors]
 
     def _newly_shifted(self, rank: int) -> bool:
-        """Whether rank's estimate is still the mean begun at a confirmed shift. The split
+        """Whether rank's estimate is still the one begun at a confirmed shift. The split
         in use then rests on that same young estimate (the trial's one or two
         measurements): it is no safer a place to stay than the split the estimate now
         points to, so the rank's own uncertainty is no reason to hold a move off it."""
@@ -370,9 +407,10 @@ class Rebalancer:
     def state_dict(self) -> dict:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
-                "level_count": list(self.level_count), "level": self.level, "level_steps": self.level_steps,
+                "level_count": list(self.level_count), "since_level": [list(m) for m in self.since_level],
+                "level": self.level, "level_steps": self.level_steps,
                 "trial_from": list(self.trial_from), "since_shift": list(self.since_shift),
-                "pre_shift": [None if p is None else list(p) for p in self.pre_shift],
+                "pre_shift": [None if p is None else [*p[:3], list(p[3])] for p in self.pre_shift],
                 "shifted": self.shifted, "settled": self.settled,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
@@ -389,9 +427,13 @@ class Rebalancer:
         # States saved before the mean: their estimates are moving averages already.
         long_ago = round(1 / self.smoothing)
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
+        # States saved before the Hodges-Lehmann estimate: a young mean stands in for each of its measurements.
+        young = [[s] * n if n <= round(1 / self.smoothing) else [] for s, n in zip(self.speeds, self.level_count)]
+        self.since_level = [[float(m) for m in since] for since in state.get("since_level", young)]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
         self.since_shift = [bool(b) for b in state.get("since_shift", [False] * len(self.sizes))]
-        self.pre_shift = [None if p is None else (float(p[0]), int(p[1]), bool(p[2]))
+        self.pre_shift = [None if p is None else (float(p[0]), int(p[1]), bool(p[2]),
+                                                  [float(m) for m in (p[3] if len(p) > 3 else [p[0]] * p[1])])
                           for p in state.get("pre_shift", [None] * len(self.sizes))]
         # States saved before the cluster's level was taken apart hold it in their speeds.
         self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
