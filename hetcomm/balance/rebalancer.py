@@ -42,11 +42,11 @@ sqrt(v_i·α/(2−α)) for the average with weight α, v_i being the averaged sq
 relative deviation of one measurement). A new split can only lose by loading a rank
 whose speed is over-estimated; the time the slowest rank saves by giving samples away is
 as certain as its own per-sample time, and a noisy rank whose share stays put holds
-nothing back. So on a quiet cluster the
-threshold alone decides, on a noisy one (CPU processes sharing cores) a move onto a rank
-must stand out of the noise, and the margin shrinks as measurements come in. The gain
-must hold on `patience` consecutive steps, and after a change no other change happens
-for `cooldown` steps (the new split's measurements have to come in first).
+nothing back. So on a quiet cluster the threshold alone decides, on a noisy one (CPU
+processes sharing cores) a move onto a rank must stand out of the noise, and the margin
+shrinks as measurements come in. The gain must hold on `patience` consecutive steps,
+and after a change no other change happens for `cooldown` steps (the new split's
+measurements have to come in first).
 
 A level shift is handled apart, at once: a measurement at least 25% and five of the
 rank's own standard deviations away from its estimate (a card that starts throttling,
@@ -57,9 +57,9 @@ and a new estimate starts from that measurement alone (the step after a handoff 
 the ranks that took samples over at sizes new to them, 3-10% slow in the benchmark runs,
 and the correction for what every rank does alike then reads the shifted rank as fast by
 as much; the robust estimate sets that measurement aside as the next ones come in),
-which the split follows at once too, this time with the noise margin (the trial's first split rested on one
-measurement, and the cool-down it started would hold a card that throttled one sample
-too heavy for several steps); otherwise it was a stall, and the estimate (and with it
+which the split follows at once too, this time with the noise margin (the trial's first
+split rested on one measurement, and the cool-down it started would hold a card that
+throttled one sample too heavy for several steps); otherwise it was a stall, and the estimate (and with it
 the split) goes back. The trial's measurement is left out because it is the one to
 distrust: the card changed speed within that step, or it handed samples off and its
 time was predicted from one micro-batch's forward (8% fast in a benchmark run, which
