@@ -123,8 +123,7 @@ def main():
             lines.append(f"| {steps} | {first_noise:.0%} | {step_noise:.0%} | {common:.0%} | {warm:.0%} | {cells} |")
             print(lines[-1], flush=True)
     if args.out:
-        variant = "-".join(name for name, on in (("common", any(args.common)), ("warmup", any(args.rank_warm_up)))
-                           if on) or None
+        variant = "warmup" if any(args.rank_warm_up) else "common" if any(args.common) else None
         write_results(args.out, "rebalancer_noise", "\n".join(lines),
                       {"seeds": args.seeds, "baseline": args.baseline, "rows": rows}, variant=variant, run=args.run)
 
