@@ -337,7 +337,7 @@ class Rebalancer:
         in use then rests on that same young estimate (the trial's one or two
         measurements): it is no safer a place to stay than the split the estimate now
         points to, so the rank's own uncertainty is no reason to hold a move off it."""
-        return self.since_shift[rank] and self.level_count[rank] < 1 / self.smoothing
+        return self.since_shift[rank] and self._young(rank)
 
     def _predict(self, sizes: tuple[int, ...], model, margins: list[float]) -> tuple[float, float]:
         """The predicted step time of `sizes`, and the same with each rank that would get
@@ -427,9 +427,11 @@ class Rebalancer:
         # States saved before the mean: their estimates are moving averages already.
         long_ago = round(1 / self.smoothing)
         self.level_count = [int(n) for n in state.get("level_count", [long_ago] * len(self.sizes))]
-        # States saved before the Hodges-Lehmann estimate: a young mean stands in for each of its measurements.
-        young = [[s] * n if n <= round(1 / self.smoothing) else [] for s, n in zip(self.speeds, self.level_count)]
-        self.since_level = [[float(m) for m in since] for since in state.get("since_level", young)]
+        if "since_level" in state:
+            self.since_level = [[float(m) for m in since] for since in state["since_level"]]
+        else:   # saved before the Hodges-Lehmann estimate: a young mean stands in for each of its measurements
+            self.since_level = [[s] * n if self._young(i) else [] for i, (s, n) in enumerate(zip(self.speeds,
+                                                                                                self.level_count))]
         self.trial_from = [None if s is None else float(s) for s in state.get("trial_from", [None] * len(self.sizes))]
         self.since_shift = [bool(b) for b in state.get("since_shift", [False] * len(self.sizes))]
         self.pre_shift = [None if p is None else (float(p[0]), int(p[1]), bool(p[2]),
