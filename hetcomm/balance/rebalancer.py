@@ -31,7 +31,7 @@ speed they had before the throttle freed their shared cores; their relative spee
 were then off by as much, and a split one sample off was held for the rest of a run.
 
 Two things keep the split from chasing noise. The predicted speed-up of the best
-split over the current one must exceed `threshold` (1% by default; Cannikin uses 5%,
+split over the current one must exceed `threshold` (0.5% by default; Cannikin uses 5%,
 but a change costs nothing here but another count of samples per rank, while what a
 split leaves on the table is lost on every step) with a noise margin on the ranks that
 would get more samples: each such rank's predicted time is taken 1.5 standard errors
@@ -87,6 +87,9 @@ SPIKE_FILTER = 3   # measurements per rank whose median feeds the average
 # What training uses (the trainer, and the planner's simulation of it): with level
 # shifts handled apart, the noise margin keeps the remaining changes from chasing noise.
 TRAINING_SETTINGS = {"patience": 2, "cooldown": 3}
+# The least predicted speed-up worth a change, before the noise margin, the default everywhere
+# (the trainer, BalancedLoop, the planner's simulation).
+THRESHOLD = 0.005
 # A level shift: a measurement this far from the estimate (at least 25%, and at least
 # SHIFT_SIGMAS of the rank's own noise) moves the estimate to it on trial. Five sigmas:
 # a rank measured every step must not see a false one in thousands of steps, although
@@ -141,7 +144,7 @@ class Rebalancer:
 
     def __init__(self, global_batch: int, sizes: Sequence[int], profiles: Sequence | None = None, *,
                  memory_caps: Sequence[int | None] | None = None, policy: str = "accumulate",
-                 min_per_rank: int = 1, threshold: float = 0.01, smoothing: float = 0.05, patience: int = 3,
+                 min_per_rank: int = 1, threshold: float = THRESHOLD, smoothing: float = 0.05, patience: int = 3,
                  cooldown: int = 10):
         ranks = len(sizes)
         if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):

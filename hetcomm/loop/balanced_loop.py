@@ -15,7 +15,7 @@ from hetcomm.amp import AUTOCAST_DTYPES, PRECISIONS, DynamicLossScaler
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split,
                              probe_memory, solve_split)
 from hetcomm.balance.handoff import ForwardShare
-from hetcomm.balance.rebalancer import TRAINING_SETTINGS
+from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import gather_floats
 from hetcomm.loop.agreement import agree_precision, check_same_parameters
@@ -76,7 +76,7 @@ class BalancedLoop:
 
     def __init__(self, model: nn.Module, dataset, *, global_batch: int, collate_fn: Callable | None = None,
                  balance: str = "dynamic", split: Sequence[int] | None = None, equal_steps: int = 0,
-                 handoff: bool = True, handoff_report_part: float = 1.0, rebalance_threshold: float = 0.01,
+                 handoff: bool = True, handoff_report_part: float = 1.0, rebalance_threshold: float = THRESHOLD,
                  memory_caps: Sequence[int | None] | None = None, probe_forward: Callable | None = None,
                  precision: str = "auto", wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,

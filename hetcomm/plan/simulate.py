@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hetcomm.balance import Rebalancer, handoff, predict_rank_times, solve_split
-from hetcomm.balance.rebalancer import TRAINING_SETTINGS
+from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.plan.planner import Plan
 from hetcomm.train.simulate import Slowdown
 
@@ -67,7 +67,7 @@ def _handed_off(rebalancer: Rebalancer, measured: list[float], rates: list[float
 
 
 def simulate(plan: Plan, steps: int, *, noise: float = 0.05, slowdowns: tuple[Slowdown, ...] = (), seed: int = 0,
-             threshold: float = 0.01) -> Simulation:
+             threshold: float = THRESHOLD) -> Simulation:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--simulate {steps!r}: expected a positive number of steps")
     if not (isinstance(noise, (int, float)) and math.isfinite(noise) and 0 <= noise <= 1):

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hetcomm.amp import PRECISIONS
+from hetcomm.balance.rebalancer import THRESHOLD
 from hetcomm.train.data import VOCAB_SCAN_MAX_TOKENS, load_windows
 from hetcomm.train.per_rank import parse_per_rank
 from hetcomm.train.simulate import parse_slowdown, parse_speeds
@@ -42,7 +43,7 @@ class TrainConfig:
     # balancing
     balance: str = "dynamic"      # dynamic: rebalance while training; static: one profile; equal: no balancing
     equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
-    rebalance_threshold: float = 0.01
+    rebalance_threshold: float = THRESHOLD
     handoff: bool = True          # dynamic: a straggler hands samples to the others within the step
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
