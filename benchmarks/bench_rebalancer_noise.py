@@ -8,10 +8,11 @@ carries log-normal noise of its own of that size (warm-up the ranks do not share
 allocation at new sizes). With --throttle G, rank 1 slows to a quarter half-way and each
 other rank then runs faster by its own factor drawn from 1 to 1 + G (on a shared host the
 throttled rank leaves them its cores, unevenly; on GPUs larger micro-batches run faster
-per sample); G = -1 for no throttle. Per setting, the mean over seeds and steps of the true step time of the
-splits in use (each rank's samples over its true speed, the slowest rank's) over the
-best split's at the speeds of that step, minus 1, and the mean number of changes. With --baseline REV the
-rebalancer of git revision REV runs the same seeds and draws beside the current one.
+per sample); G = -1 for no throttle. Per setting, the mean over seeds and steps of the
+true step time of the splits in use (each rank's samples over its true speed, the
+slowest rank's) over the best split's at that step's speeds, minus 1, and the mean
+number of changes. With --baseline REV the rebalancer of git revision REV runs the same
+seeds and draws beside the current one.
 
     python benchmarks/bench_rebalancer_noise.py               # ~8 minutes on 2 cores
     python benchmarks/bench_rebalancer_noise.py --seeds 10 --steps 40
@@ -62,18 +63,20 @@ def run(module: ModuleType, first_noise: float, step_noise: float, steps: int, s
     first = solve_split(GLOBAL_BATCH, [(0.0, 1 / s) for s in timed]).sizes
     rebalancer = module.Rebalancer(GLOBAL_BATCH, first, **module.TRAINING_SETTINGS)
     speeds = list(SPEEDS)
-    excess, changes = true_step_time(first, speeds) / best_step_time(speeds) - 1, 0
+    best = best_step_time(speeds)
+    excess, changes = true_step_time(first, speeds) / best - 1, 0
     for step in range(1, steps):
-        if throttle >= 0 and step == steps // 2:
+        if throttle != NO_THROTTLE and step == steps // 2:
             speeds = [s * (THROTTLE if i == THROTTLED_RANK else 1 + rng.uniform(0, throttle))
                       for i, s in enumerate(speeds)]
+            best = best_step_time(speeds)
         warm_up = step <= WARM_UP_STEPS
         shared = math.exp(rng.gauss(0, common)) * (WARM_UP_SLOWDOWN if common and warm_up else 1.0)
         own = [math.exp(rng.gauss(0, step_noise) + (rng.gauss(0, rank_warm_up) if warm_up and rank_warm_up else 0.0))
                for _ in SPEEDS]
         times = [b / s * shared * o for b, s, o in zip(rebalancer.sizes, speeds, own)]
         changes += rebalancer.observe(times).changed
-        excess += true_step_time(rebalancer.sizes, speeds) / best_step_time(speeds) - 1
+        excess += true_step_time(rebalancer.sizes, speeds) / best - 1
     return excess / steps, changes
 
 
@@ -111,6 +114,9 @@ def main():
     parser.add_argument("--baseline", metavar="REV", help="also run the rebalancer of this git revision, side by side")
     add_out_arguments(parser)
     args = parser.parse_args()
+    if any(g < 0 and g != NO_THROTTLE for g in args.throttle):
+        parser.error(f"--throttle {' '.join(map(str, args.throttle))}: each G must be a speed-up of 0 or more, "
+                     f"or {NO_THROTTLE:g} for no throttle")
     beside = f" | excess at {args.baseline} | changes at {args.baseline}" if args.baseline else ""
     lines = [f"Rebalancer under noise ({' '.join(sys.argv[1:]) or 'defaults'}: {args.seeds} seeds, steps "
              f"{', '.join(map(str, args.steps))}), {today()}, pure simulation (no processes). Cluster "
@@ -139,12 +145,12 @@ def main():
             cells = f"{row['excess']:.2%} | {row['changes']:.1f}"
             if args.baseline:
                 cells += f" | {row['baseline_excess']:.2%} | {row['baseline_changes']:.1f}"
-            throttled = "-" if throttle < 0 else f"+{throttle:.0%}"
+            throttled = "-" if throttle == NO_THROTTLE else f"+{throttle:.0%}"
             lines.append(f"| {steps} | {first_noise:.0%} | {step_noise:.0%} | {common:.0%} | {warm:.0%} | {throttled} "
                          f"| {cells} |")
             print(lines[-1], flush=True)
     if args.out:
-        variant = "throttle" if max(args.throttle) >= 0 else "warmup" if any(args.rank_warm_up) else \
+        variant = "throttle" if max(args.throttle) != NO_THROTTLE else "warmup" if any(args.rank_warm_up) else \
             "common" if any(args.common) else None
         write_results(args.out, "rebalancer_noise", "\n".join(lines),
                       {"seeds": args.seeds, "baseline": args.baseline, "rows": rows}, variant=variant, run=args.run)
