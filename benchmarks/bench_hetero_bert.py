@@ -29,7 +29,7 @@ from bench_hetero_cluster import ideal_seconds
 from result_files import add_out_arguments, write_results
 
 from hetcomm.train.config import DEFAULT_CPU_SPEEDS
-from hetcomm.train.simulate import speeds_for_this_machine
+from hetcomm.simulated import speeds_for_this_machine
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_bert_mlm.py"
 # 128 samples make a step of ~0.9 s here. At 64 (a 0.46 s step) the all-reduce and update alone

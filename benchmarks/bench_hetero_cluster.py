@@ -38,7 +38,7 @@ from result_files import add_out_arguments, write_results
 
 from hetcomm.balance import solve_split
 from hetcomm.train.config import DEFAULT_CPU_SPEEDS
-from hetcomm.train.simulate import CORE_SHARE, speeds_for_this_machine
+from hetcomm.simulated import CORE_SHARE, speeds_for_this_machine
 
 GLOBAL_BATCH = 96
 # Steps of about a second on 2 cores, so that the per-step collectives (~5 ms each with 4 Gloo

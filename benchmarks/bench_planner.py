@@ -37,7 +37,7 @@ import torch
 
 from hetcomm.balance import equal_split
 from hetcomm.plan import load_catalog, load_run_profile, make_plan, parse_cluster, parse_model, spec_members
-from hetcomm.train.simulate import speeds_for_this_machine
+from hetcomm.simulated import speeds_for_this_machine
 from result_files import add_out_arguments, write_results
 
 # Relative speeds, fitted to the machine's cores as bench_hetero_cluster.py and the trainer's

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from hetcomm.train.data import default_corpus
-from hetcomm.train.simulate import SimulatedSpeed, parse_slowdown, parse_speeds, speeds_for_this_machine
+from hetcomm.simulated import SimulatedSpeed, parse_slowdown, parse_speeds, speeds_for_this_machine
 
 # Token ids: four special tokens, then the 256 byte values.
 PAD, CLS, SEP, MASK = 0, 1, 2, 3

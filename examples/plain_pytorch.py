@@ -7,7 +7,7 @@ from torch import nn
 
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.launch import launch
-from hetcomm.train.simulate import SimulatedSpeed
+from hetcomm.simulated import SimulatedSpeed
 
 
 class Sequences(torch.utils.data.Dataset):

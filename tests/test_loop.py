@@ -15,7 +15,7 @@ from torch import nn
 from hetcomm.balance import WeightedDistributedSampler
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.batches import micro_batches
-from hetcomm.train.simulate import SimulatedSpeed, Slowdown
+from hetcomm.simulated import SimulatedSpeed, Slowdown
 
 SAMPLES, LENGTH, VOCAB, GLOBAL_BATCH, SEED = 96, 8, 16, 16, 3
 

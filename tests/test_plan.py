@@ -12,7 +12,7 @@ from hetcomm.balance import solve_split
 from hetcomm.plan import load_run_profile, make_plan, parse_cluster, parse_model, simulate, spec_members
 from hetcomm.plan.cli import main
 from hetcomm.plan.cost import all_reduce_cost, device_cost, fitted_efficiencies
-from hetcomm.train.simulate import Slowdown
+from hetcomm.simulated import Slowdown
 
 GIB = 2**30
 

@@ -71,7 +71,7 @@ class BalancedLoop:
             the reduced gradient goes into their .grad.
         seed: the data order's seed (the same on every rank).
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
-            stretches this rank's compute (hetcomm.train.simulate.SimulatedSpeed).
+            stretches this rank's compute (hetcomm.simulated.SimulatedSpeed).
     """
 
     def __init__(self, model: nn.Module, dataset, *, global_batch: int, collate_fn: Callable | None = None,

@@ -14,7 +14,7 @@ from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
 from hetcomm.plan.precision import parse_precision
 from hetcomm.plan.report import plan_dict, plan_text, simulation_dict, simulation_text
 from hetcomm.plan.simulate import simulate
-from hetcomm.train.simulate import parse_slowdown
+from hetcomm.simulated import parse_slowdown
 
 DEFAULTS = {"model": "gpt2-124m", "global_batch": 512, "seq": 1024, "net": "10gbe", "intra": "pcie3"}
 

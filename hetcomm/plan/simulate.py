@@ -18,7 +18,7 @@ import torch
 from hetcomm.balance import Rebalancer, handoff, predict_rank_times, solve_split
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.plan.planner import Plan
-from hetcomm.train.simulate import Slowdown
+from hetcomm.simulated import Slowdown
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 from hetcomm.amp import PRECISIONS
 from hetcomm.balance.rebalancer import THRESHOLD
 from hetcomm.train.data import VOCAB_SCAN_MAX_TOKENS, load_windows
-from hetcomm.train.per_rank import parse_per_rank
-from hetcomm.train.simulate import parse_slowdown, parse_speeds
+from hetcomm.per_rank import parse_per_rank
+from hetcomm.simulated import parse_slowdown, parse_speeds
 
 DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machine's cores
 WIRES = ("float16", "float32", "bfloat16")

@@ -14,7 +14,7 @@ from hetcomm.loop.launch import RankFailed, free_port, launch, local_world, unde
 from hetcomm.loop.checkpoint import CheckpointError, checkpoints, load, newest_valid
 from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
                                   from_args, parser, validate)
-from hetcomm.train.simulate import speeds_for_this_machine
+from hetcomm.simulated import speeds_for_this_machine
 
 __all__ = ["main", "free_port"]
 

@@ -39,7 +39,7 @@ from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.model import GPT, GPTConfig
 from hetcomm.train.runlog import RunLog
-from hetcomm.train.simulate import SimulatedSpeed, parse_slowdown, parse_speeds
+from hetcomm.simulated import SimulatedSpeed, parse_slowdown, parse_speeds
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:

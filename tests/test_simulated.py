@@ -1,11 +1,11 @@
-"""The simulated cluster's clock (hetcomm.train.simulate), on fake clocks: a CPU rank's
+"""The simulated cluster's clock (hetcomm.simulated), on fake clocks: a CPU rank's
 compute is stretched by the CPU time it got, never by the time it spent waiting for a
 core; a GPU rank's by its wall time."""
 
 import pytest
 
-from hetcomm.train import simulate
-from hetcomm.train.simulate import SimulatedSpeed, Slowdown, fit_to_cores, parse_speeds, speeds_for_this_machine
+from hetcomm import simulated
+from hetcomm.simulated import SimulatedSpeed, Slowdown, fit_to_cores, parse_speeds, speeds_for_this_machine
 
 
 class FakeClocks:
@@ -13,10 +13,10 @@ class FakeClocks:
 
     def __init__(self, monkeypatch):
         self.wall, self.cpu, self.slept = 0.0, 0.0, []
-        monkeypatch.setattr(simulate.time, "perf_counter", lambda: self.wall)
-        monkeypatch.setattr(simulate.time, "process_time", lambda: self.cpu)
-        monkeypatch.setattr(simulate.time, "sleep", self.sleep)
-        monkeypatch.setattr(simulate.torch, "get_num_threads", lambda: 1)
+        monkeypatch.setattr(simulated.time, "perf_counter", lambda: self.wall)
+        monkeypatch.setattr(simulated.time, "process_time", lambda: self.cpu)
+        monkeypatch.setattr(simulated.time, "sleep", self.sleep)
+        monkeypatch.setattr(simulated.torch, "get_num_threads", lambda: 1)
 
     def sleep(self, seconds):
         self.slept.append(seconds)

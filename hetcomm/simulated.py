@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetcomm.train.per_rank import parse_per_rank
+from hetcomm.per_rank import parse_per_rank
 
 
 # The share of the machine's cores a simulated cluster may keep busy at most.
