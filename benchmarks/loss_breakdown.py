@@ -50,11 +50,11 @@ def breakdown(steps_log: list[dict], slowdown_step: int | None) -> dict[str, flo
             "noise": noise / bound, "overhead": overhead / bound, "first step's overhead": first / bound}
 
 
-def runs_of(path: Path) -> list[tuple[str, dict]]:
-    """(label, result row) for each balanced run with a step log in a result file."""
+def runs_of(path: Path, strategies: tuple[str, ...] = BALANCED) -> list[tuple[str, dict]]:
+    """(label, result row) for each run of `strategies` with a step log in a result file."""
     rows = json.loads(path.read_text())
     return [(path.stem if "repeat" not in r else f"{path.stem} repeat {r['repeat'] + 1}", r) for r in rows
-            if "steps" in r and r["strategy"].startswith(BALANCED)]
+            if "steps" in r and r["strategy"].startswith(strategies)]
 
 
 def main():

@@ -1,0 +1,107 @@
+"""Replays the step times that bench_hetero_cluster.py and bench_hetero_bert.py logged
+through the working tree's rebalancer, and with --baseline through a git revision's: a
+check of a rebalancer change in seconds, on the noise the benchmark machine really had,
+where one benchmark run takes ten minutes and brings noise of its own.
+
+Each dynamic run is replayed from the split of its second step (the loop chooses it from
+the first step's timed parts, whose times its rebalancer leaves out). At every later
+step each rank's logged seconds per sample (its compute over the samples it did), times
+the samples the replayed split gives it, is fed in as that rank's compute time. A split
+is judged at its regime's median throughputs, as loss_breakdown.py's "split" part is: its
+step time over that of the best split into whole samples, summed over the run's steps,
+so the noise of a step, the same for every rebalancer replayed, does not count.
+
+What a replay cannot know: a rank's per-sample time at a size it did not run (the logged
+one is taken for any size), and the handoff (its steps are replayed at the split as
+dealt). So it compares rebalancers; the run's own figure is given beside it ("as run",
+the split each rank ran) to show how far the replay of the code that ran strays from it.
+
+    python benchmarks/replay_rebalancer.py benchmarks/results/hetero_cluster_cpu_2026-12-02_run1*.json
+    python benchmarks/replay_rebalancer.py --baseline HEAD~3 benchmarks/results/hetero_bert_*.json
+"""
+
+import argparse
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from bench_hetero_cluster import regimes
+from bench_rebalancer_noise import rebalancer_at
+from loss_breakdown import runs_of
+
+import hetcomm.balance.rebalancer as tree_rebalancer
+from hetcomm.balance import solve_split
+
+DYNAMIC = ("hetcomm",)   # the strategies whose split the rebalancer chose
+
+
+def split_loss(steps_log: list[dict], slowdown_step: int | None, splits: Sequence[Sequence[int]]) -> float:
+    """The steps' time at `splits` (one per step) over that at the best whole-sample
+    splits, both at each regime's median throughputs, less 1."""
+    ran = best = 0.0
+    index = 0
+    for part, throughputs in regimes(steps_log, slowdown_step):
+        for step in part:
+            batch = sum(step["micro_batch"])
+            ran += max(b / s for b, s in zip(splits[index], throughputs))
+            best += solve_split(batch, [(0.0, 1 / s) for s in throughputs]).step_time
+            index += 1
+    return ran / best - 1
+
+
+def replay(module: ModuleType, steps_log: list[dict]) -> tuple[list[tuple[int, ...]], int]:
+    """The split `module`'s Rebalancer (with its training settings) gives each step,
+    fed the logged per-sample times at its own splits, and how many changes it made."""
+    if len(steps_log) < 2:   # the first step's split is the loop's, before any rebalancing
+        return [tuple(steps_log[0]["micro_batch"])], 0
+    ranks = len(steps_log[0]["micro_batch"])
+    batch = sum(steps_log[1]["micro_batch"])
+    rebalancer = module.Rebalancer(batch, tuple(steps_log[1]["micro_batch"]), **module.TRAINING_SETTINGS)
+    splits, changes = [tuple(steps_log[0]["micro_batch"])], 0
+    # A rank that did no sample in a step (a giver of its whole share) has no time of its own
+    # that step: it is measured at its run's median rate.
+    medians = [statistics.median(s["compute_s"][r] / s["samples"][r] for s in steps_log if s["samples"][r] > 0)
+               for r in range(ranks)]
+    for step in steps_log[1:]:
+        sizes = rebalancer.sizes
+        splits.append(sizes)
+        rates = [c / n if n > 0 else m for c, n, m in zip(step["compute_s"], step["samples"], medians)]
+        changes += rebalancer.observe([b * r for b, r in zip(sizes, rates)]).changed
+    return splits, changes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="hetero_cluster_*.json or hetero_bert_*.json files")
+    parser.add_argument("--baseline", metavar="REVISION",
+                        help="also replay the rebalancer of this git revision (e.g. HEAD, main~2)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        modules = {"this tree": tree_rebalancer}
+        if args.baseline:
+            modules[args.baseline] = rebalancer_at(args.baseline, Path(folder))
+        names = " | ".join(f"{name}: split loss | changes" for name in modules)
+        print(f"| run | scenario | strategy | as run | {names} |")
+        print("|---|---|---|---|" + "---|---|" * len(modules))
+        totals = {name: [] for name in modules}
+        for path in args.results:
+            for label, row in runs_of(path, DYNAMIC):
+                steps = row["steps"]
+                slowdown_step = None if row["scenario"] == "steady" else len(steps) // 2
+                as_run = split_loss(steps, slowdown_step, [s["samples"] for s in steps])
+                cells = []
+                for name, module in modules.items():
+                    splits, changes = replay(module, steps)
+                    loss = split_loss(steps, slowdown_step, splits)
+                    totals[name].append(loss)
+                    cells.append(f"{100 * loss:.2f}% | {changes}")
+                print(f"| {label} | {row['scenario']} | {row['strategy']} | {100 * as_run:.2f}% | "
+                      + " | ".join(cells) + " |")
+        means = " | ".join(f"{100 * statistics.fmean(losses):.2f}% | " for losses in totals.values())
+        print(f"| mean of {len(next(iter(totals.values())))} runs | | | | {means}|")
+
+
+if __name__ == "__main__":
+    main()
