@@ -43,10 +43,14 @@ def split_loss(steps_log: list[dict], slowdown_step: int | None, splits: Sequenc
     ran = best = 0.0
     index = 0
     for part, throughputs in regimes(steps_log, slowdown_step):
+        rates = [(0.0, 1 / s) for s in throughputs]
+        best_at = {}   # the best whole split's time per step size, solved once per regime
         for step in part:
             batch = sum(step["micro_batch"])
+            if batch not in best_at:
+                best_at[batch] = solve_split(batch, rates).step_time
             ran += max(b / s for b, s in zip(splits[index], throughputs))
-            best += solve_split(batch, [(0.0, 1 / s) for s in throughputs]).step_time
+            best += best_at[batch]
             index += 1
     return ran / best - 1
 
