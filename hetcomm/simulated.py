@@ -100,10 +100,12 @@ class SimulatedSpeed:
         """Around a compute phase of `step`: afterwards, waits until the phase has taken
         the time it needed divided by the speed factor. It yields a settle() that does
         the same for the phase so far, so that a time read within the phase (the
-        handoff's timed forward) is at the simulated speed too; both count from the
-        phase's start, so a wait for a core early in the phase still counts against the
-        stretch owed later, as with no settle at all. A factor above 1 cannot make it
-        faster than it was."""
+        handoff's timed forward) is at the simulated speed too, and so that the stretch
+        is paid as the compute goes (BalancedLoop settles after every leaf module's
+        forward and every gradient, as a slower device is slower at each operation).
+        Both count from the phase's start, so a wait for a core early in the phase still
+        counts against the stretch owed later, as with no settle at all. A factor above 1
+        cannot make it faster than it was."""
         clock: Callable[[], float] = _cpu_seconds_per_thread if self.device_type == "cpu" else time.perf_counter
         wall, needed = time.perf_counter(), clock()
 

@@ -6,6 +6,8 @@ is refused with one clear message on every rank."""
 import copy
 import math
 import time
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,42 @@ def test_a_giver_in_micro_batches_keeps_part_of_its_share_and_the_gradient_stays
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     for got, want in zip(weights, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+class CountingSpeed:
+    """A simulated speed that stretches nothing and counts each compute phase's settles."""
+
+    def __init__(self):
+        self.calls = []
+
+    @contextmanager
+    def compute(self, step):
+        self.calls.append(0)
+
+        def settle():
+            self.calls[-1] += 1
+
+        yield settle
+        settle()
+
+
+def settles_per_phase(rank, world):
+    """Two steps at the equal split (one compute phase each), then a forward outside the loop."""
+    model, speed = TinyTagger(), CountingSpeed()
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, balance="equal",
+                        wire_dtype=torch.float32, simulated_speed=speed)
+    for step in loop.steps(2):
+        for batch in step:
+            step.backward(*masked_loss(model, batch))
+        step.reduce()
+    model(MaskedTokens()[0]["tokens"])
+    return speed.calls
+
+
+def test_a_simulated_speed_is_paid_as_the_compute_goes(tmp_path):
+    # Each phase settles after the forward of each of the 3 leaf modules, after each of the 5
+    # gradients is accumulated, and at its end; a forward outside a phase settles nothing.
+    assert values(run_ranks(2, settles_per_phase, tmp_path=tmp_path)) == [[3 + 5 + 1] * 2] * 2
 
 
 @pytest.mark.parametrize("size, cap, first, runs", [

@@ -20,7 +20,7 @@ from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import gather_floats
 from hetcomm.loop.agreement import agree_precision, check_same_parameters
 from hetcomm.loop.batches import load_batch
-from hetcomm.loop.step import GATHERED, LoopStep
+from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
 
 BALANCE = ("dynamic", "static", "equal")
 
@@ -71,7 +71,8 @@ class BalancedLoop:
             the reduced gradient goes into their .grad.
         seed: the data order's seed (the same on every rank).
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
-            stretches this rank's compute (hetcomm.simulated.SimulatedSpeed).
+            stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
+            the stretch paid after each leaf module's forward and each gradient.
     """
 
     def __init__(self, model: nn.Module, dataset, *, global_batch: int, collate_fn: Callable | None = None,
@@ -111,6 +112,9 @@ class BalancedLoop:
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
         self.scaler = DynamicLossScaler(scale=loss_scale, growth_interval=200) if scaled.item() else None
         self.speed = simulated_speed
+        self.settle_now: Callable[[], None] = no_stretch   # the running compute phase's settle (LoopStep._run)
+        if simulated_speed is not None:
+            _stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.fixed_split = _check_fixed_split(split, self.world, global_batch)
         self.caps = self._agree_caps(memory_caps, probe_forward)
         start = self.fixed_split or equal_split(global_batch, self.world)
@@ -318,6 +322,19 @@ class BalancedLoop:
         the masters' fp32 gradients, the reducer's wire buffers."""
         elements = sum(p.numel() for p in self.trained_params)
         return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
+
+
+def _stretch_as_it_goes(model: nn.Module, params: list[nn.Parameter], settle: Callable[[], None]) -> None:
+    """Has a simulated speed's stretch paid as the compute goes, after each leaf module's
+    forward and each gradient's accumulation, as a slower device is slower at every
+    operation, instead of all at the end of a compute phase. Paid at the end, every rank
+    starts a step computing at once and then sleeps: 4 ranks on 2 cores contended for the
+    first part of every step and ran up to 2x their CPU time late in it."""
+    for module in model.modules():
+        if next(module.children(), None) is None:
+            module.register_forward_hook(lambda *_: settle())
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: settle())
 
 
 def _check_arguments(dataset, global_batch, world, balance, equal_steps, threshold, loss_scale, items_per_sample,

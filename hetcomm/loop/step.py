@@ -102,7 +102,7 @@ class LoopStep:
         self._reporting: _Reporting | None = None   # this step's handoff report, when it has one
         self._cut: str | None = None        # a giver's plan ends its run: "dropped" or "kept" its first micro-batch
         self._started = 0.0                 # when the current run began
-        self._settle = _no_stretch          # brings the simulated speed's stretch up to now
+        self._settle = no_stretch          # brings the simulated speed's stretch up to now
 
     # --- the micro-batches -----------------------------------------------------------
 
@@ -142,20 +142,24 @@ class LoopStep:
         start = time.perf_counter()
         done = 0
         with loop.compute_context(self.number) if timed else nullcontext() as settle:
-            self._started, self._settle = start, settle or _no_stretch
-            for micro in micro_batches(indices, loop.cap(), first):
-                batch = loop.load(micro)
-                self._awaiting = len(micro)
-                yield batch
-                if self._awaiting is not None:
-                    raise RuntimeError(f"BalancedLoop: step {self.number}: step.backward(loss) was not called for "
-                                       f"a micro-batch; call it once for each micro-batch the step yields")
-                if self._cut == "dropped":
-                    break
-                done += len(micro)
-                if self._cut == "kept":
-                    break
-            self._device_done()
+            self._started, self._settle = start, settle or no_stretch
+            loop.settle_now = self._settle
+            try:
+                for micro in micro_batches(indices, loop.cap(), first):
+                    batch = loop.load(micro)
+                    self._awaiting = len(micro)
+                    yield batch
+                    if self._awaiting is not None:
+                        raise RuntimeError(f"BalancedLoop: step {self.number}: step.backward(loss) was not called "
+                                           f"for a micro-batch; call it once for each micro-batch the step yields")
+                    if self._cut == "dropped":
+                        break
+                    done += len(micro)
+                    if self._cut == "kept":
+                        break
+                self._device_done()
+            finally:
+                loop.settle_now = no_stretch
         seconds = time.perf_counter() - start
         if timed:
             self.compute += seconds
@@ -387,7 +391,7 @@ def _checked_count(count):
     return count
 
 
-def _no_stretch() -> None:
+def no_stretch() -> None:
     """No simulated speed: nothing to wait for."""
 
 
