@@ -76,7 +76,12 @@ def parse_slowdown(text: str, world_size: int) -> Slowdown:
 
 
 def _cpu_seconds_per_thread() -> float:
-    return time.process_time() / torch.get_num_threads()
+    """The compute's CPU time. With one intra-op thread it all runs on the calling thread
+    (CPU autograd included), whose own clock leaves out Gloo's threads: their CPU while
+    the rank sleeps off its stretch would otherwise be owed again, 1/factor times over,
+    at every settle (a rank at speed 0.005 never woke up)."""
+    threads = torch.get_num_threads()
+    return time.thread_time() if threads == 1 else time.process_time() / threads
 
 
 @dataclass

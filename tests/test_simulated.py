@@ -14,7 +14,7 @@ class FakeClocks:
     def __init__(self, monkeypatch):
         self.wall, self.cpu, self.slept = 0.0, 0.0, []
         monkeypatch.setattr(simulated.time, "perf_counter", lambda: self.wall)
-        monkeypatch.setattr(simulated.time, "process_time", lambda: self.cpu)
+        monkeypatch.setattr(simulated.time, "thread_time", lambda: self.cpu)
         monkeypatch.setattr(simulated.time, "sleep", self.sleep)
         monkeypatch.setattr(simulated.torch, "get_num_threads", lambda: 1)
 
