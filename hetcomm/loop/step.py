@@ -102,7 +102,7 @@ class LoopStep:
         self._reporting: _Reporting | None = None   # this step's handoff report, when it has one
         self._cut: str | None = None        # a giver's plan ends its run: "dropped" or "kept" its first micro-batch
         self._started = 0.0                 # when the current run began
-        self._settle = no_stretch          # brings the simulated speed's stretch up to now
+        self._settle = no_stretch           # brings the simulated speed's stretch up to now
 
     # --- the micro-batches -----------------------------------------------------------
 
