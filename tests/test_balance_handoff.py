@@ -7,7 +7,8 @@ import math
 import pytest
 
 from hetcomm.balance import handoff
-from hetcomm.balance.handoff import FORWARD_SHARE_LEAST, MIN_GAIN, ForwardShare, Handoff, Report, plan, report
+from hetcomm.balance.handoff import (FORWARD_SHARE_LEAST, GIVER_THRESHOLD, MIN_GAIN, ForwardShare, Handoff, Report,
+                                    plan, report)
 
 
 def rank(done, rate, remaining, giver=False, pass_seconds=0.0):
@@ -16,10 +17,18 @@ def rank(done, rate, remaining, giver=False, pass_seconds=0.0):
                   seconds + (pass_seconds + remaining * rate if remaining else 0.0))
 
 
+def givers_of(reports):
+    """The ranks that give: reported givers whose share is also over the threshold
+    beside the quickest rank's."""
+    quickest = min(r.as_dealt for r in reports)
+    return [i for i, r in enumerate(reports)
+            if r.giver and r.remaining > 0 and r.as_dealt > (1 + GIVER_THRESHOLD) * quickest]
+
+
 def brute_force(reports):
     """The least makespan over every placement of the givers' remaining samples: each
     giver keeps 0..remaining of its own, each receiver takes any count, all placed."""
-    givers = [i for i, r in enumerate(reports) if r.giver and r.remaining > 0]
+    givers = givers_of(reports)
     pool = sum(reports[g].remaining for g in givers)
     best = math.inf
     for counts in itertools.product(range(pool + 1), repeat=len(reports)):
@@ -43,8 +52,10 @@ def test_no_giver_no_plan():
     # A card at a quarter of its speed among three at their planned pace.
     [rank(9, 0.02, 26), rank(9, 0.08, 26, giver=True), rank(5, 0.04, 12), rank(2, 0.08, 6)],
     # Two givers, receivers with a pass cost, one receiver already late.
-    [rank(3, 0.5, 5, giver=True, pass_seconds=0.3), rank(2, 0.1, 6, pass_seconds=0.05), rank(1, 0.3, 2, giver=True),
+    [rank(3, 0.5, 5, giver=True, pass_seconds=0.3), rank(2, 0.1, 6, pass_seconds=0.05), rank(1, 0.6, 2, giver=True),
      rank(2, 0.1, 7, pass_seconds=0.2)],
+    # A rank over its planned step, but not beside the quickest one: it takes samples on.
+    [rank(2, 0.5, 8, giver=True), rank(2, 0.1, 6, giver=True), rank(2, 0.08, 6)],
     # A receiver with no samples of its own (rate from the model).
     [rank(4, 1.0, 4, giver=True), Report(0, 0.0, 0, 0.25, 0.1, False, 0.0), rank(2, 0.2, 6)],
 ])
@@ -56,16 +67,17 @@ def test_the_plan_is_the_least_makespan_and_places_every_sample_once(reports):
                                         for r in reports)
     assert found.step_seconds <= (1 - MIN_GAIN) * found.without_seconds
     remaining = [r.remaining for r in reports]
+    givers = givers_of(reports)
     for i, r in enumerate(reports):
         assert 0 <= found.kept[i] <= r.remaining
-        if not r.giver:
+        if i not in givers:
             assert found.kept[i] == r.remaining
         else:
             assert found.received[i] == 0
     # The givers' tails, position by position, each taken by exactly one receiver.
     taken = [(g, first + k) for receiver in range(len(reports))
              for g, first, count in found.sources(remaining, receiver) for k in range(count)]
-    tails = [(g, p) for g, r in enumerate(reports) if r.giver for p in range(found.kept[g], r.remaining)]
+    tails = [(g, p) for g in givers for p in range(found.kept[g], reports[g].remaining)]
     assert sorted(taken) == tails
     assert len(taken) == found.moved == sum(found.received)
     for receiver in range(len(reports)):
@@ -77,6 +89,19 @@ def test_no_plan_when_every_rank_is_slow_or_the_gain_is_small():
     assert plan([rank(2, 0.4, 6, giver=True), rank(2, 0.4, 6, giver=True)]) is None
     # The only receiver would finish the moved samples barely sooner (a pass costs it more).
     assert plan([rank(2, 0.1, 8, giver=True), rank(8, 0.1, 1, pass_seconds=0.05)]) is None
+
+
+def test_a_rank_a_little_over_its_plan_takes_on_a_straggler_s_samples():
+    # The reports of a trainer test's throttled step: both ranks over the planned 0.102 s,
+    # rank 0 by a hiccup (1.53x), rank 1 throttled (17x). Rank 0 keeps its share and takes
+    # on rank 1's; before, both gave and neither took anything.
+    hiccup = report(8, 0.0671, 8, 0.4313, 0.01, 0.1, 0.10196)
+    throttled = report(8, 0.7939, 8, 0.4469, 0.01, 0.1, 0.10196)
+    assert hiccup.giver and throttled.giver
+    found = plan([hiccup, throttled])
+    assert found.kept == (8, 0) and found.received == (8, 0)
+    # The step ends with rank 1's forward, already spent (rank 0 is done by then).
+    assert hiccup.as_dealt + 8 * hiccup.rate < throttled.seconds == found.step_seconds
 
 
 def test_ties_go_to_the_lower_rank():

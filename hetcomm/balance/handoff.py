@@ -166,13 +166,22 @@ class Handoff:
 
 def plan(reports: Sequence[Report]) -> Handoff | None:
     """The plan for these reports (the same on every rank), or None: no giver, or no
-    plan that shortens the step by MIN_GAIN."""
-    givers = {i for i, r in enumerate(reports) if r.giver and r.remaining > 0}
+    plan that shortens the step by MIN_GAIN.
+
+    A rank that reported itself a giver (over the planned step) gives only if its share
+    is also more than GIVER_THRESHOLD over the quickest rank's: otherwise it is no
+    straggler beside the others and takes samples on like any receiver, after its own
+    share. A rank whose forward a hiccup slowed past the planned step, in the same step
+    as a card that throttles, would else leave the throttled card nobody to give to (a
+    trainer test's rank 0 read 1.53x its planned step, rank 1 17x: no plan)."""
+    quickest = min(r.as_dealt for r in reports)
+    givers = {i for i, r in enumerate(reports)
+              if r.giver and r.remaining > 0 and r.as_dealt > (1 + GIVER_THRESHOLD) * quickest}
     if not givers:
         return None
     without = max(r.as_dealt for r in reports)
-    # A giver's sunk seconds, and a receiver's whole share, before its one more pass.
-    bases = [r.seconds if i in givers else r.seconds + r.cost(r.remaining) for i, r in enumerate(reports)]
+    # A giver's sunk seconds, and any other rank's whole share, before its one more pass.
+    bases = [r.seconds if i in givers else r.as_dealt for i, r in enumerate(reports)]
     taken = [0] * len(reports)
     heap = [(base + r.cost(1), i) for i, (base, r) in enumerate(zip(bases, reports))]
     heapq.heapify(heap)
