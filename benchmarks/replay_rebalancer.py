@@ -4,7 +4,8 @@ check of a rebalancer change in seconds, on the noise the benchmark machine real
 where one benchmark run takes ten minutes and brings noise of its own.
 
 Each dynamic run is replayed from the split of its second step (the loop chooses it from
-the first step's timed parts, whose times its rebalancer leaves out). At every later
+the first step's timed parts, whose times its rebalancer leaves out, and has it reviewed
+at the third measurement). At every later
 step each rank's logged seconds per sample (its compute over the samples it did), times
 the samples the replayed split gives it, is fed in as that rank's compute time. A split
 is judged at its regime's median throughputs, as loss_breakdown.py's "split" part is: its
@@ -21,6 +22,7 @@ the split each rank ran) to show how far the replay of the code that ran strays 
 """
 
 import argparse
+import inspect
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -62,7 +64,10 @@ def replay(module: ModuleType, steps_log: list[dict]) -> tuple[list[tuple[int, .
         return [tuple(steps_log[0]["micro_batch"])], 0
     ranks = len(steps_log[0]["micro_batch"])
     batch = sum(steps_log[1]["micro_batch"])
-    rebalancer = module.Rebalancer(batch, tuple(steps_log[1]["micro_batch"]), **module.TRAINING_SETTINGS)
+    # The runs dealt their first split from the first step's timing, which BalancedLoop has its
+    # rebalancer review (a revision from before the review has no such option).
+    review = {"review_first": True} if "review_first" in inspect.signature(module.Rebalancer).parameters else {}
+    rebalancer = module.Rebalancer(batch, tuple(steps_log[1]["micro_batch"]), **module.TRAINING_SETTINGS, **review)
     splits, changes = [tuple(steps_log[0]["micro_batch"])], 0
     # A rank that did no sample in a step (a giver of its whole share) has no time of its own
     # that step: it is measured at its run's median rate.

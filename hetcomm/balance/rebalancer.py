@@ -48,6 +48,17 @@ shrinks as measurements come in. The gain must hold on `patience` consecutive st
 and after a change no other change happens for `cooldown` steps (the new split's
 measurements have to come in first).
 
+A split given to start from may rest on one timing that the rebalancer never saw: the
+loop deals its first split from the first step's timed parts, which it leaves out of the
+estimates (they carry one-time costs that the ranks do not share alike). That split is
+as noisy as one measurement, yet the margin would hold it as if the estimates had chosen
+it, until they are certain enough to leave it: two equal ranks dealt 36/38 by such a
+timing stayed so for 18 steps of a GPT benchmark run, 2.7% slower each. With
+`review_first`, once every rank's estimate holds FIRST_REVIEW measurements, the split in
+use is reviewed once at the threshold alone, as after a level shift: the best split under
+the estimates replaces it if it gains more than the threshold. Not by default: a split
+given by the user, or one the estimates chose (after an equal phase), keeps the margin.
+
 A level shift is handled apart, at once: a measurement at least 25% and five of the
 rank's own standard deviations away from its estimate (a card that starts throttling,
 or a stall) moves the estimate to it on trial, and the split follows on the next step
@@ -110,6 +121,15 @@ VARIANCE_MEMORY = 20
 # step time on the table over 40 steps at 2-10% noise, and 0.06-0.25% over 400 steps
 # (tests/test_balance_rebalancer.py checks such cases).
 MARGIN_ERRORS = 1.5
+# The measurements a first split is reviewed at (with review_first). Three: the
+# Hodges-Lehmann estimate of three sets one odd step aside, and the cool-down after the
+# first split holds no other change before then anyway. Replayed on the 87 logged
+# benchmark runs (replay_rebalancer.py), against no review: the split's own loss fell
+# from 2.08 to 0.83% of the step time in GPT runs 17-19 (steady), 1.14 to 1.01% in GPT
+# runs 1-16, 1.75 to 1.61% in the BERT repeats, a little in the throttled runs; of the
+# 78 older runs 41 better, 17 worse (by up to 2.1%), 0.4-0.6 more changes a run.
+# Reviews at the first or second measurement lost 0.93 and 1.44% on runs 17-19.
+FIRST_REVIEW = 3
 
 
 def hodges_lehmann(values: Sequence[float]) -> float:
@@ -140,12 +160,14 @@ class Rebalancer:
         smoothing: the moving average's weight of a new measurement (until 1/smoothing of them are in,
             their Hodges-Lehmann estimate instead).
         patience: consecutive steps the gain must hold. cooldown: steps after a change with no other.
+        review_first: `sizes` rests on one timing the rebalancer does not see: review it once at
+            the threshold alone when every rank's estimate holds FIRST_REVIEW measurements.
     """
 
     def __init__(self, global_batch: int, sizes: Sequence[int], profiles: Sequence | None = None, *,
                  memory_caps: Sequence[int | None] | None = None, policy: str = "accumulate",
                  min_per_rank: int = 1, threshold: float = THRESHOLD, smoothing: float = 0.05, patience: int = 3,
-                 cooldown: int = 10):
+                 cooldown: int = 10, review_first: bool = False):
         ranks = len(sizes)
         if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
             raise ValueError(f"threshold = {threshold!r}: expected a finite, non-negative fraction (0.02 for 2%)")
@@ -165,6 +187,7 @@ class Rebalancer:
         self.profiles = [(float(a), float(c)) for a, c in profiles]
         self.memory_caps, self.policy, self.min_per_rank = memory_caps, policy, min_per_rank
         self.threshold, self.smoothing, self.patience, self.cooldown = threshold, smoothing, patience, cooldown
+        self.review_first = bool(review_first)
         self.sizes: tuple[int, ...] = ()
         self.speeds = [1.0] * ranks          # s_i over the cluster's level; 1 until the rank is first measured
         self.level = 0.0                     # L, the log of the cluster's level: 0 at the first measurements
@@ -180,6 +203,7 @@ class Rebalancer:
         self.pre_shift: list[tuple[float, int, bool, list[float]] | None] = [None] * ranks
         self.shifted = False                 # an estimate jumped (or jumped back) in the last update
         self.settled = False                 # a shift was confirmed in the last update
+        self.reviewing = False               # the last update brought the first split's review
         self.steps_since_change = 0
         self.streak = 0                      # consecutive decisions that found a gain above threshold
         self.adopt(sizes)
@@ -218,6 +242,8 @@ class Rebalancer:
         for i in measured:
             self._measure(i, speeds[i] / math.exp(common), unbias)
         self.level_steps += 1
+        self.reviewing = self.review_first and self.level_steps == FIRST_REVIEW \
+            and all(n >= FIRST_REVIEW for n in self.level_count)
         self.level += max(self.smoothing, 1 / self.level_steps) * common
         self.steps_since_change += 1
 
@@ -362,9 +388,10 @@ class Rebalancer:
         current_times = predict_rank_times(self.sizes, model, self.memory_caps, self.policy)
         current = max(current_times)
         gain = current / best.step_time - 1
-        # Right after a level shift the estimates are taken as they are; when the best split is
-        # the current one there is nothing to gain (no other split is more certain to).
-        if self.shifted or best.sizes == self.sizes:
+        # Right after a level shift, and at the first split's review, the estimates are taken as
+        # they are; when the best split is the current one there is nothing to gain (no other
+        # split is more certain to).
+        if self.shifted or self.reviewing or best.sizes == self.sizes:
             required = self.threshold
         else:
             # The gain must hold with the ranks that would get more samples taken slower.
@@ -376,7 +403,7 @@ class Rebalancer:
             predicted, confident, best = min(candidates, key=lambda candidate: candidate[1])   # the first on a tie
             gain = current / predicted - 1
             required = self.threshold + gain - (current / confident - 1)
-        if (self.shifted or self.settled) and gain > required:
+        if (self.shifted or self.settled or self.reviewing) and gain > required:
             self.streak = self.patience
         elif self.steps_since_change < self.cooldown or gain <= required:
             self.streak = 0
@@ -414,7 +441,7 @@ class Rebalancer:
                 "level": self.level, "level_steps": self.level_steps,
                 "trial_from": list(self.trial_from), "since_shift": list(self.since_shift),
                 "pre_shift": [None if p is None else [*p[:3], list(p[3])] for p in self.pre_shift],
-                "shifted": self.shifted, "settled": self.settled,
+                "shifted": self.shifted, "settled": self.settled, "reviewing": self.reviewing,
                 "steps_since_change": self.steps_since_change, "streak": self.streak}
 
     def load_state_dict(self, state: dict) -> None:
@@ -444,4 +471,5 @@ class Rebalancer:
         self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
         self.shifted = bool(state.get("shifted", False))
         self.settled = bool(state.get("settled", False))
+        self.reviewing = bool(state.get("reviewing", False))
         self.steps_since_change, self.streak = int(state["steps_since_change"]), int(state["streak"])

@@ -119,12 +119,16 @@ class BalancedLoop:
         self.caps = self._agree_caps(memory_caps, probe_forward)
         start = self.fixed_split or equal_split(global_batch, self.world)
         self.sampler = WeightedDistributedSampler(len(dataset), start, self.rank, seed=seed)
-        self.rebalancer = DistributedRebalancer(Rebalancer(global_batch, start, memory_caps=self.caps,
-                                                           threshold=rebalance_threshold, **TRAINING_SETTINGS))
-        self.split = start
         # The first step is timed in parts when it is a full one and no equal phase times it.
         self.time_first_step = not self.fixed_split and balance != "equal" and equal_steps == 0 \
             and len(dataset) >= global_batch
+        # The split that timing deals rests on times the rebalancer leaves out: it is reviewed
+        # once the rebalancer's own estimates are in.
+        self.rebalancer = DistributedRebalancer(Rebalancer(global_batch, start, memory_caps=self.caps,
+                                                           threshold=rebalance_threshold,
+                                                           review_first=self.time_first_step and balance == "dynamic",
+                                                           **TRAINING_SETTINGS))
+        self.split = start
         self.handoff_enabled = handoff and balance == "dynamic" and not self.fixed_split
         self.handoff_report_part = handoff_report_part
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
