@@ -26,12 +26,14 @@ from bench_hetero_cluster import regimes
 from hetcomm.balance import solve_split
 
 BALANCED = ("static", "hetcomm")   # strategies whose split is meant to match the speeds
+WARM_UP = 2
 
 
 def breakdown(steps_log: list[dict], slowdown_step: int | None) -> dict[str, float]:
     """The run's seconds over its own ideal bound, and the four parts, each relative to
     that bound."""
-    bound = whole = split = noise = overhead = 0.0
+    bound = whole = split = noise = overhead = warm_up = 0.0
+    number = 0
     for part, throughputs in regimes(steps_log, slowdown_step):
         for step in part:
             samples = step.get("samples") or step["micro_batch"]
@@ -44,10 +46,14 @@ def breakdown(steps_log: list[dict], slowdown_step: int | None) -> dict[str, flo
             split += ran - best
             noise += slowest - ran
             overhead += step["step_s"] - slowest
+            if number < WARM_UP:
+                warm_up += step["step_s"] - ideal
+            number += 1
     first = steps_log[0]["step_s"] - max(steps_log[0]["compute_s"])
     total = sum(s["step_s"] for s in steps_log)
     return {"over": total / bound - 1, "whole samples": whole / bound, "split": split / bound,
-            "noise": noise / bound, "overhead": overhead / bound, "first step's overhead": first / bound}
+            "noise": noise / bound, "overhead": overhead / bound, "first step's overhead": first / bound,
+            "warm-up": warm_up / bound}
 
 
 def runs_of(path: Path, strategies: tuple[str, ...] = BALANCED) -> list[tuple[str, dict]]:
@@ -62,14 +68,15 @@ def main():
     parser.add_argument("results", nargs="+", type=Path, help="hetero_cluster_*.json or hetero_bert_*.json files")
     args = parser.parse_args()
     parts = ("whole samples", "split", "noise", "overhead")
-    print("| run | scenario | strategy | over its own bound | " + " | ".join(parts) + " | of which the first step |")
-    print("|---|---|---|---|" + "---|" * (len(parts) + 1))
+    print("| run | scenario | strategy | over its own bound | " + " | ".join(parts)
+          + f" | of which the first step | the first {WARM_UP} steps, all parts |")
+    print("|---|---|---|---|" + "---|" * (len(parts) + 2))
     for path in args.results:
         for label, row in runs_of(path):
             steps = row["steps"]
             slowdown_step = None if row["scenario"] == "steady" else len(steps) // 2
             figures = breakdown(steps, slowdown_step)
-            cells = " | ".join(f"{100 * figures[p]:+.1f}%" for p in (*parts, "first step's overhead"))
+            cells = " | ".join(f"{100 * figures[p]:+.1f}%" for p in (*parts, "first step's overhead", "warm-up"))
             print(f"| {label} | {row['scenario']} | {row['strategy']} | {100 * figures['over']:+.1f}% | {cells} |")
 
 

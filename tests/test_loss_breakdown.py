@@ -54,3 +54,12 @@ def test_parts_add_up_after_a_handoff(breakdown):
     parts = breakdown(log, None)
     assert parts["over"] == pytest.approx(sum(parts[p] for p in ("whole samples", "split", "noise", "overhead")))
     assert parts["split"] == pytest.approx((0.6 - 0.4 + 0.5 - 0.4) / 1.2)
+
+
+def test_the_warm_up_is_the_first_steps_time_over_their_bound(breakdown):
+    # Bound 0.4 s a step (6 samples at 10 + 5 samples/s); the first two steps take 1.0 and
+    # 0.6 s, the next three 0.45 s: the warm-up is (0.6 + 0.2) / 2.0 of the bound.
+    log = [step((4, 2), (0.9, 0.95), 1.0), step((4, 2), (0.5, 0.55), 0.6)] + [step((4, 2), (0.4, 0.4), 0.45)] * 3
+    parts = breakdown(log, None)
+    assert parts["warm-up"] == pytest.approx(0.8 / 2.0)
+    assert parts["over"] == pytest.approx((0.6 + 0.2 + 3 * 0.05) / 2.0)
