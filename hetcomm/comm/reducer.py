@@ -37,10 +37,24 @@ def _pack_weight(share: Share, grad_divisor: float | None) -> float:
     return share.weight if grad_divisor is None else grad_divisor / share.total
 
 
-def _same_loss_scale(loss_scale: float | Tensor | None) -> dict[str, float | Tensor]:
-    """The loss scale every rank must share: the reduced gradient is unscaled by each
-    rank's own, so another scale on one rank would leave its copy wrong, silently."""
-    return {"loss scales": 1.0 if loss_scale is None else loss_scale}
+def _same_settings(loss_scale: float | Tensor | None, expected_total: float | None = None) -> dict[str, float | Tensor]:
+    """What every rank must pass alike in a step: the loss scale (the reduced gradient is
+    unscaled by each rank's own, so another scale on one rank would leave its copy wrong,
+    silently) and the expected total its buckets were packed by (0 for none: then they
+    were packed by the agreed weight)."""
+    return {"loss scales": 1.0 if loss_scale is None else loss_scale,
+            "expected totals": 0.0 if expected_total is None else expected_total}
+
+
+def _check_expected_total(expected_total, count, grad_divisor) -> None:
+    if expected_total is None:
+        return
+    if count is None and grad_divisor is None:
+        raise ValueError("hetcomm.WeightedReducer: expected_total goes with count= (and grad_divisor=), not weight=")
+    if isinstance(expected_total, bool) or not isinstance(expected_total, (int, float)) \
+            or not math.isfinite(expected_total) or expected_total <= 0:
+        raise ValueError(f"hetcomm.WeightedReducer: expected_total = {expected_total!r}: expected a finite positive "
+                         f"number (N's likely value, the same on every rank)")
 
 
 def check_wire_dtype(wire_dtype: torch.dtype, group, who: str) -> None:
@@ -70,6 +84,9 @@ class _Step:
     ready: list[set[int]]    # per bucket: the parameters whose gradient is final
     share: Share | None = None  # the agreed weights; before finish() at the latest
     works: list = field(default_factory=list)  # the launched all-reduces, in bucket order
+    # With an expected total C: (the numerator the buckets are packed by over C, C).
+    expected: tuple[float, float] | None = None
+    may_send: Callable[[], bool] | None = None   # asked before the hooks send; None: they may
 
 
 class WeightedReducer:
@@ -89,6 +106,17 @@ class WeightedReducer:
     ``finish()`` after it. A parameter that gets no gradient in a step holds its bucket,
     and the buckets after it, until finish(); leave such parameters out of `params`
     when they are never used.
+
+    With counts, the weights n_i / N need N, which the ranks agree on; before that, a
+    bucket can go packed by n_i / C, C an expected total that every rank passes alike
+    (the previous step's N, say): the sum of the ranks' buckets is then off from the
+    weighted one by the common factor N / C, which unpacking takes out. So with
+    ``expected_total=C`` the agreement (and with it the counts, which may be known only
+    after backward, and the gathered numbers) comes after the buckets, not before them:
+    with overlap=True, ``begin(grad_divisor=d, expected_total=C)`` before the last
+    backward and ``reduce(count=n, grad_divisor=d, expected_total=C, ...)`` after it,
+    with no round trip between the ranks before backward. Keep C near N: with a 16-bit
+    wire, a C far under N scales the packed values up by N / C towards overflow.
 
     Args:
         params: the parameters, in the same order on every rank (checked at the first reduce).
@@ -153,13 +181,17 @@ class WeightedReducer:
 
     def reduce(self, weight: float | None = None, *, count: float | None = None, grad_divisor: float | None = None,
                loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None,
-               while_in_flight: Callable[[list[list[float]] | None], None] | None = None) -> ReduceResult:
-        """begin() and finish() in one call, after backward (not with overlap=True).
+               while_in_flight: Callable[[list[list[float]] | None], None] | None = None,
+               expected_total: float | None = None) -> ReduceResult:
+        """begin() and finish() in one call, after backward. With overlap=True, after
+        begin(grad_divisor=..., expected_total=...) it ends that step; without it, the
+        buckets all go now, as without overlap.
 
         With weight= the buckets are sent at once and the ranks' agreement on the weights
         travels ahead of them, read before anything is unpacked, so its round trip is not
         on the critical path; a bad verdict still raises on every rank with every gradient
-        as it was. With count= the agreement must come first: it yields N.
+        as it was. With count= the agreement must come first, as it yields N, unless
+        expected_total= is given (see the class): then it goes as with weight=.
 
         while_in_flight: called with every rank's gathered numbers (result.gathered; None
         without gather_size) once the agreement is in and checked, while the buckets are
@@ -168,15 +200,24 @@ class WeightedReducer:
         rank must pass one. Should it raise, the all-reduces are waited for, no gradient
         has been unpacked, and its exception propagates.
         """
-        if self.overlap:
-            raise RuntimeError(f"{self.who}: with overlap=True call begin(...) before backward and finish() "
-                               f"after it")
+        if self._step is not None and self._step.expected is not None:
+            # The buckets may be on their way: a fault goes through the agreement, to every rank.
+            fault = None if weight is None and count is not None and expected_total is not None else \
+                "after begin(grad_divisor=..., expected_total=...), reduce() takes count= and the same " \
+                "grad_divisor= and expected_total="
+            return self._reduce_by_expected(0.0 if count is None else float(count), grad_divisor,
+                                            self._step.expected[1] if expected_total is None else float(expected_total),
+                                            loss_scale, gather, while_in_flight, fault)
         self._check_start(weight, count, grad_divisor)
+        _check_expected_total(expected_total, count, grad_divisor)
+        if expected_total is not None:
+            return self._reduce_by_expected(float(count), grad_divisor, float(expected_total), loss_scale, gather,
+                                            while_in_flight)
         # After backward the gradients present are known, so which parameters no rank has a
         # gradient for rides in the agreement instead of a collective of its own.
         agreement = Agreement(float(weight if count is None else count), count is not None, self.control_group,
                               self.who, [p.grad is not None for p in self.params], gather,
-                              self.gather_size, same=_same_loss_scale(loss_scale))
+                              self.gather_size, same=_same_settings(loss_scale))
         missing = [p for p in self.params if p.grad is None]
         if count is None:
             self._step = self._new_step(float(weight), loss_scale)
@@ -190,9 +231,10 @@ class WeightedReducer:
             try:
                 share = agreement.result(self.timeout)
             except ValueError:
-                if agreement.mixed:
-                    # The ranks that passed weight= have sent their buckets already: send as many
-                    # so that every rank has issued the same collectives and the group stays usable.
+                if agreement.mixed or agreement.others_sent_early:
+                    # The ranks that passed weight= or expected_total= have sent their buckets already:
+                    # send as many so that every rank has issued the same collectives and the group
+                    # stays usable.
                     self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
                 raise
             self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
@@ -207,14 +249,53 @@ class WeightedReducer:
                 raise
         return self.finish()
 
+    def _reduce_by_expected(self, count: float, grad_divisor: float | None, expected_total: float,
+                            loss_scale, gather, while_in_flight, problem: str | None = None) -> ReduceResult:
+        """reduce() with buckets packed by (grad_divisor or count) / expected_total, sent
+        before the agreement, and unpacked with expected_total / N taken out."""
+        numerator = float(count if grad_divisor is None else grad_divisor)
+        step = self._step
+        if step is None:
+            step = self._step = self._new_step(numerator / expected_total, loss_scale)
+            step.expected = (numerator, expected_total)
+        elif problem is None and step.expected != (numerator, expected_total):
+            problem = (f"reduce(grad_divisor={grad_divisor}, expected_total={expected_total}) does not match "
+                       f"begin(grad_divisor={step.expected[0]:g}, expected_total={step.expected[1]:g}), by which "
+                       f"the buckets were packed")
+        if loss_scale is not None:
+            step.inv_loss_scale = scalar_on(loss_scale, step.inv_loss_scale.device).reciprocal()
+        used_here = [p.grad is not None for p in self.params]
+        missing = [p for p in self.params if p.grad is None]
+        agreement = Agreement(count, True, self.control_group, self.who, used_here, gather, self.gather_size,
+                              same=_same_settings(loss_scale, expected_total), problem=problem)
+        self._launch_all()
+        try:
+            step.share = agreement.result(self.timeout)
+        except ValueError:
+            self._abandon(missing)
+            raise
+        # Packed by numerator / C where numerator / N was due, the same C on every rank.
+        step.inv_loss_scale.mul_(expected_total / step.share.total)
+        if while_in_flight is not None:
+            try:
+                while_in_flight(step.share.gathered)
+            except BaseException:
+                self._abandon(missing)
+                raise
+        return self.finish()
+
     def _launch_all(self) -> None:
         while self._next_launch < len(self.buckets):
             self._launch_next(self._step)
 
     def begin(self, weight: float | None = None, *, count: float | None = None, grad_divisor: float | None = None,
-              loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None) -> None:
+              loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None,
+              expected_total: float | None = None, may_send: Callable[[], bool] | None = None) -> None:
         """Agrees with the other ranks on this step's weights; with overlap=True, arms
-        the gradient hooks for the coming backward.
+        the gradient hooks for the coming backward. With expected_total (and grad_divisor
+        alone), only arms them, for buckets packed by grad_divisor / expected_total: no
+        collective; reduce(count=..., grad_divisor=..., expected_total=...) ends the step,
+        or disarm() while no bucket has left.
 
         Args:
             weight: this rank's share n_i / N of the global batch; the weights of all ranks
@@ -229,13 +310,33 @@ class WeightedReducer:
                 it before backward); divided out while unpacking.
             gather: gather_size numbers of this rank's, returned to every rank in the
                 result's gathered (see the class).
+            expected_total: N's likely value, the same on every rank (see the class).
+            may_send: with expected_total, asked at each gradient hook until it says True:
+                till then the final buckets wait (for a fact the rank learns during backward,
+                such as whether more samples are to come); reduce() sends what is left.
 
         Raises the same ValueError on every rank if any rank's weight, count or gather is bad.
         """
+        if expected_total is not None:
+            if weight is not None or count is not None or gather is not None or loss_scale is not None \
+                    or grad_divisor is None or (may_send is not None and not callable(may_send)):
+                raise ValueError(f"{self.who}: begin(expected_total=...) takes grad_divisor= alone; count=, "
+                                 f"loss_scale= and gather= go to reduce() after backward")
+            if not self.overlap:
+                raise ValueError(f"{self.who}: begin(expected_total=...) arms the gradient hooks of overlap=True; "
+                                 f"without overlap pass expected_total to reduce()")
+            self._check_start(None, 1.0, grad_divisor)
+            _check_expected_total(expected_total, None, grad_divisor)
+            self._step = self._new_step(grad_divisor / expected_total, None)
+            self._step.expected = (float(grad_divisor), float(expected_total))
+            self._step.may_send = may_send
+            return
+        if may_send is not None:
+            raise ValueError(f"{self.who}: may_send goes with expected_total")
         self._check_start(weight, count, grad_divisor)
         share = agree_share(float(weight if count is None else count), count is not None, self.control_group,
                             self.timeout, self.who, gathered=gather, gather_size=self.gather_size,
-                            same=_same_loss_scale(loss_scale))
+                            same=_same_settings(loss_scale))
         self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
         self._step.share = share
 
@@ -346,6 +447,17 @@ class WeightedReducer:
                                  f"of its parameter's shape {tuple(p.shape)} on {p.device}")
         return {id(p): m for p, m in zip(self.params, masters)}
 
+    def disarm(self) -> None:
+        """Undoes begin(grad_divisor=..., expected_total=...) before any bucket has left
+        (the gradients are to change: more samples came). Nothing armed: nothing to do."""
+        step = self._step
+        if step is None:
+            return
+        if step.expected is None or step.works:
+            raise RuntimeError(f"{self.who}: disarm() undoes begin(expected_total=...) before any bucket has left; "
+                               f"{'buckets have left' if step.works else 'this step was begun with its weights'}")
+        self._step = None
+
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks of overlap=True."""
         for handle in self._hooks:
@@ -364,6 +476,10 @@ class WeightedReducer:
                                f"call begin() before the backward of the step's last micro-batch only")
         for index in indices:
             step.ready[index].add(id(param))
+        if step.may_send is not None:
+            if not step.may_send():
+                return
+            step.may_send = None
         while (self._next_launch < len(self.buckets)
                and len(step.ready[self._next_launch]) == len(self.buckets[self._next_launch].params)):
             self._launch_next(step)

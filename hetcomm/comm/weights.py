@@ -54,16 +54,19 @@ class Agreement:
 
     same: settings every rank must pass alike this step (the loss scale the gradients
     carry: unpacked with another rank's scale they would be wrong with no error), by
-    name; a value may be a 1-element tensor on the device (no host sync)."""
+    name; a value may be a 1-element tensor on the device (no host sync).
+    problem: a fault of this rank's call found before the agreement, to raise on every
+    rank with the others."""
 
     def __init__(self, value: float, by_count: bool, group, who: str, used_here: list[bool] | None = None,
                  gathered: list[float] | None = None, gather_size: int = 0,
-                 same: dict[str, float | torch.Tensor] | None = None):
+                 same: dict[str, float | torch.Tensor] | None = None, problem: str | None = None):
         self.value, self.by_count, self.group, self.who = value, by_count, group, who
         self.same = dict(same or {})
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [] if gathered is None else list(gathered)
-        self.problem = local_problem(value, by_count, gathered, gather_size)
+        self.problem = problem or local_problem(value, by_count, gathered, gather_size)
+        self.settings: dict[str, list[float]] = {}   # per setting, every rank's (known once result() has waited)
         self.used_here = [] if used_here is None else used_here
         self.gather_size = gather_size
         used_end = 2 + self.world + len(self.used_here)
@@ -98,12 +101,14 @@ class Agreement:
         gathered = header[used_end:self.settings_start].reshape(world, self.gather_size).tolist() \
             if self.gather_size else None
         settings = header[self.settings_start:].reshape(len(self.same), world).tolist()
+        self.settings = dict(zip(self.same, settings))
         bad_ranks = [r for r in range(world) if header[2 + r].item() > 0]
         if bad_ranks:
             detail = f" (here: {self.problem})" if self.problem else ""
             raise ValueError(f"{who}: ranks {bad_ranks} passed an invalid weight, count or gather{detail}; "
-                             f"weights and counts must be finite and non-negative, and gather must hold "
-                             f"gather_size={self.gather_size} values")
+                             f"weights and counts must be finite and non-negative, gather must hold "
+                             f"gather_size={self.gather_size} values, and reduce()'s expected_total and "
+                             f"grad_divisor must be begin()'s")
         if self.mixed:
             raise ValueError(f"{who}: {self.counting_ranks} of {world} ranks passed count= and the others weight=; "
                              f"all ranks must use the same one")
@@ -120,6 +125,12 @@ class Agreement:
             raise ValueError(f"{who}: the weights add up to {total:.9g} across {world} ranks; expected 1 "
                              f"(pass count= instead to let hetcomm normalise)")
         return Share(weight=self.value, total=total, by_count=False, users=users, gathered=gathered)
+
+    @property
+    def others_sent_early(self) -> bool:
+        """Some rank passed an expected total, so it sent its buckets before this
+        agreement (known after result() waited)."""
+        return any(v > 0 for v in self.settings.get("expected totals", []))
 
     @property
     def mixed(self) -> bool:
