@@ -122,6 +122,37 @@ def test_an_unequal_split_trains_as_one_process_weighted_by_items(tmp_path):
         assert max((w - g).abs().max().item() for w, g in zip(weights, by_samples)) > 1e-3
 
 
+def train_counting_early_buckets(rank, world, steps, overlap):
+    """train_in_loop at the split 1/3/5/7 in small buckets, also counting each step's
+    buckets sent before reduce() (during the last backward)."""
+    model = TinyTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, split=[1, 3, 5, 7],
+                        wire_dtype=torch.float32, bucket_cap_mb=0.0002, overlap=overlap)
+    early = []
+    for step in loop.steps(steps):
+        for batch in step:
+            loss, count = masked_loss(model, batch)
+            step.backward(loss, count=count)
+        early.append(len(loop.reducer._step.works) if loop.reducer._step is not None else 0)
+        step.reduce()
+        optimizer.step()
+    return early, len(loop.reducer.buckets), [p.detach().clone() for p in model.parameters()]
+
+
+def test_overlap_sends_buckets_during_the_last_backward_and_trains_the_same(tmp_path):
+    expected = one_process(4)[1]
+    for overlap in (True, False):
+        for early, buckets, weights in values(run_ranks(4, train_counting_early_buckets, 4, overlap,
+                                                        tmp_path=tmp_path / str(overlap))):
+            for got, want in zip(weights, expected):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            # Every bucket leaves as its last gradient is accumulated, but at the first step,
+            # whose total of masked tokens is not known ahead: its buckets wait for it.
+            assert buckets >= 3
+            assert early == ([0] + [buckets] * 3 if overlap else [0] * 4), early
+
+
 def test_memory_caps_become_accumulation_with_the_same_gradient(tmp_path):
     capped = values(run_ranks(2, train_in_loop, 3, {"split": [5, 11], "memory_caps": [2, 3]},
                               tmp_path=tmp_path))

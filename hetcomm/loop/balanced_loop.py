@@ -62,6 +62,12 @@ class BalancedLoop:
         precision: "auto" (per device generation, hetcomm.amp), "fp32", "fp16" or "bf16":
             what loop.autocast() computes in, and whether a loss scale is needed.
         wire_dtype, bucket_cap_mb, timeout: the WeightedReducer's.
+        overlap: send the gradients' buckets during the backward of the step's last
+            micro-batch, as each is final, packed by an expected total of items (exact
+            with items_per_sample, else the previous step's), so that only the last
+            buckets' all-reduce follows the backward. A step whose last micro-batch a rank
+            cannot tell (a handoff step before the reports are in, the first step) sends
+            them all after it.
         loss_scale: the initial dynamic loss scale, used when the wire or any rank's
             compute is fp16.
         items_per_sample: when every sample carries the same number of loss items (a
@@ -82,7 +88,7 @@ class BalancedLoop:
                  precision: str = "auto", wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,
                  master_params: Sequence[torch.Tensor] | None = None, seed: int = 0,
-                 simulated_speed=None, timeout: timedelta | None = None):
+                 simulated_speed=None, timeout: timedelta | None = None, overlap: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("BalancedLoop: torch.distributed is not initialised; call dist.init_process_group "
                                "first (torchrun sets up its environment)")
@@ -105,16 +111,20 @@ class BalancedLoop:
         if precision != "auto":
             agree_precision(self.device, precision)
         self.masters = list(master_params) if master_params is not None else None
+        self.speed = simulated_speed
+        self.settle_now: Callable[[], None] = no_stretch   # the running compute phase's settle (LoopStep._run)
+        if simulated_speed is not None:
+            # Before the reducer's own gradient hooks, which run after these: a bucket leaves once
+            # the stretch of its gradients is paid, as on a slower device.
+            _stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.reducer = WeightedReducer(params, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
-                                       master_params=self.masters, timeout=timeout, gather_size=len(GATHERED))
+                                       master_params=self.masters, timeout=timeout, gather_size=len(GATHERED),
+                                       overlap=bool(overlap))
+        self.last_total: float | None = None   # the last step's items over all ranks
         # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
         scaled = torch.tensor([float(wire_dtype == torch.float16 or self.precision == "fp16")])
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
         self.scaler = DynamicLossScaler(scale=loss_scale, growth_interval=200) if scaled.item() else None
-        self.speed = simulated_speed
-        self.settle_now: Callable[[], None] = no_stretch   # the running compute phase's settle (LoopStep._run)
-        if simulated_speed is not None:
-            _stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.fixed_split = _check_fixed_split(split, self.world, global_batch)
         self.caps = self._agree_caps(memory_caps, probe_forward)
         start = self.fixed_split or equal_split(global_batch, self.world)
@@ -193,7 +203,7 @@ class BalancedLoop:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         mine = [None] * self.world
         dist.all_gather_object(mine, (torch.get_rng_state(), cuda, list(self.forward_share.recent)))
-        return {"step": self.step, "sampler": self.sampler.state_dict(),
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "last_total": self.last_total,
                 "rebalancer": self.rebalancer.rebalancer.state_dict(), "split": list(self.split),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "rng": [m[0] for m in mine], "cuda_rng": [m[1] for m in mine], "forward_shares": [m[2] for m in mine]}
@@ -207,6 +217,7 @@ class BalancedLoop:
         self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
         self.split = tuple(int(b) for b in state["split"])
         self.step = int(state["step"])
+        self.last_total = state.get("last_total")
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"][self.rank])
@@ -224,6 +235,13 @@ class BalancedLoop:
 
     def compute_context(self, step: int):
         return self.speed.compute(step) if self.speed is not None else nullcontext()
+
+    def expected_total(self, step_samples: int) -> float | None:
+        """The step's items over all ranks as the buckets are packed by: exact with
+        items_per_sample, else the last step's (None at the first)."""
+        if self.items_per_sample is not None:
+            return float(step_samples * self.items_per_sample)
+        return self.last_total
 
     def cap(self) -> int | None:
         return self.caps[self.rank] if self.caps else None

@@ -102,6 +102,10 @@ class LoopStep:
         self._reporting: _Reporting | None = None   # this step's handoff report, when it has one
         self._cut: str | None = None        # a giver's plan ends its run: "dropped" or "kept" its first micro-batch
         self._started = 0.0                 # when the current run began
+        # Whether the micro-batch yielded is the step's last, so that its backward can send
+        # the buckets as they are final: True, False, or "unless it receives" (a handoff
+        # step's own share: the last unless the plan hands this rank samples).
+        self._last: bool | str = False
         self._settle = no_stretch           # brings the simulated speed's stretch up to now
 
     # --- the micro-batches -----------------------------------------------------------
@@ -121,7 +125,7 @@ class LoopStep:
             if loop.handoff_enabled and self.number >= loop.equal_steps:
                 yield from self._with_handoff(indices)
             else:
-                yield from self._run(indices)
+                yield from self._run(indices, final=True)
         self._state = "done"
 
     def _draw(self) -> list[int]:
@@ -133,11 +137,11 @@ class LoopStep:
                 return indices
         raise RuntimeError("the sampler produced no step")
 
-    def _run(self, indices: list[int], timed: bool = True, first: int | None = None):
+    def _run(self, indices: list[int], timed: bool = True, first: int | None = None, final: bool | str = False):
         """Yields the micro-batches of `indices` (the first of at most `first` samples);
         returns the seconds they took, waiting for the device, stretched to the rank's
         simulated speed when timed. A giver's handoff (see _report_forward) may end it
-        after its first micro-batch."""
+        after its first micro-batch. `final`: whether the run ends the step (self._last)."""
         loop = self.loop
         start = time.perf_counter()
         done = 0
@@ -145,9 +149,11 @@ class LoopStep:
             self._started, self._settle = start, settle or no_stretch
             loop.settle_now = self._settle
             try:
-                for micro in micro_batches(indices, loop.cap(), first):
+                micros = micro_batches(indices, loop.cap(), first)
+                for k, micro in enumerate(micros):
                     batch = loop.load(micro)
                     self._awaiting = len(micro)
+                    self._last = final if k == len(micros) - 1 else False
                     yield batch
                     if self._awaiting is not None:
                         raise RuntimeError(f"BalancedLoop: step {self.number}: step.backward(loss) was not called "
@@ -160,6 +166,7 @@ class LoopStep:
                 self._device_done()
             finally:
                 loop.settle_now = no_stretch
+                self._last = False
         seconds = time.perf_counter() - start
         if timed:
             self.compute += seconds
@@ -249,12 +256,12 @@ class LoopStep:
         # The report comes after the first micro-batch's forward: cut it short, once the
         # forward can tell a straggler, so that the plan comes early in the step.
         first = math.ceil(loop.handoff_report_part * len(indices)) if loop.forward_share.value() else None
-        seconds = yield from self._run(indices, first=first)
+        seconds = yield from self._run(indices, first=first, final="unless it receives")
         mine = self._reporting
         kept = mine.plan.kept[rank] if mine.plan and mine.report.giver else len(indices)
         if self._cut is not None:   # a giver's plan: its kept samples past those done
             self._cut = None
-            yield from self._run(indices[self.samples:kept])
+            yield from self._run(indices[self.samples:kept], final=True)
         else:
             self.measured = (seconds, len(indices))
             if indices:
@@ -268,8 +275,9 @@ class LoopStep:
             for giver, first, count in plan.sources([r.remaining for r in reports], rank):
                 start = reports[giver].done + first
                 extra += loop.sampler.drawn_indices(giver)[start:start + count]
+            loop.reducer.disarm()   # armed on the own share's last micro-batch, held: more samples came
             self._retarget(kept + len(extra))
-            yield from self._run(extra)
+            yield from self._run(extra, final=True)
 
     def _report_forward(self) -> None:
         """At the backward call of the share's first micro-batch: times its forward,
@@ -335,10 +343,36 @@ class LoopStep:
             return   # a giver hands this micro-batch off: its forward is dropped, its samples done elsewhere
         if isinstance(count, numbers.Real) and count == 0:
             return   # no items: nothing to add (and a mean over none is NaN)
+        if self._cut is None and self._last is True:
+            self._arm()
+        elif self._cut is None and self._last == "unless it receives":
+            self._arm(may_send=self._receives_nothing)
         total = loss.reshape(()) * count if reduction == "mean" else loss.reshape(())
         (total * (self.scale / (self.normaliser * (per_sample or 1)))).backward()
         self.loss_sum = self.loss_sum + total.detach().float()
         self.count = self.count + count
+
+    def _receives_nothing(self) -> bool:
+        """Whether the handoff reports are in (read now if they have arrived) and the plan
+        hands this rank no samples: then its own share's last micro-batch ends its step."""
+        mine = self._reporting
+        if mine.reports is None:
+            if not mine.work.is_completed():
+                return False
+            mine.reports, mine.plan = self._read_reports(mine.work, mine.table)
+        return not (mine.plan and mine.plan.received[self.loop.rank])
+
+    def _divisor(self) -> float:
+        """What the step's gradients were divided by: its samples, times the items a sample."""
+        return float(self.normaliser * (self.loop.items_per_sample or 1))
+
+    def _arm(self, may_send=None) -> None:
+        """Has the reducer send each bucket during the coming backward, once final (and
+        may_send() says so)."""
+        loop = self.loop
+        expected = loop.expected_total(self.step_samples)
+        if loop.reducer.overlap and expected is not None:
+            loop.reducer.begin(grad_divisor=self._divisor(), expected_total=expected, may_send=may_send)
 
     def reduce(self) -> StepResult:
         """The weighted all-reduce of the step's gradients (the gradient of the mean loss
@@ -360,12 +394,10 @@ class LoopStep:
         def choose_next_split(everyone):
             loop.choose_next_split(everyone, self.step_samples, self.timed_first)
 
-        if loop.items_per_sample is not None:
-            result = loop.reducer.reduce(self.samples / self.step_samples, loss_scale=self.scale, gather=gather,
-                                         while_in_flight=choose_next_split)
-        else:
-            result = loop.reducer.reduce(count=count, grad_divisor=self.normaliser, loss_scale=self.scale,
-                                         gather=gather, while_in_flight=choose_next_split)
+        result = loop.reducer.reduce(count=count, grad_divisor=self._divisor(), loss_scale=self.scale, gather=gather,
+                                     while_in_flight=choose_next_split,
+                                     expected_total=loop.expected_total(self.step_samples))
+        loop.last_total = result.total
         skipped = bool(result.found_inf.item())
         if loop.scaler:
             loop.scaler.update(skipped)

@@ -45,6 +45,7 @@ class TrainConfig:
     equal_steps: int = 4          # the first steps run the equal split: baseline and first profile
     rebalance_threshold: float = THRESHOLD
     handoff: bool = True          # dynamic: a straggler hands samples to the others within the step
+    overlap: bool = True          # send the gradients' buckets during the last backward
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
     # the cluster
@@ -113,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
     bal.add_argument("--no-handoff", dest="handoff", action="store_false",
                      help="with --balance dynamic: do not let a rank that falls far behind within a step (a "
                           "card that starts throttling) hand its remaining windows to the others in that step")
+    bal.add_argument("--no-overlap", dest="overlap", action="store_false",
+                     help="send the gradients only after the step's last backward, not bucket by bucket during it")
     bal.add_argument("--split", help="a fixed split of the global batch, one count per rank (e.g. 12,12,6,2); "
                                      "overrides --balance")
     bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes gradient "

@@ -140,7 +140,8 @@ class Trainer:
             memory_caps=parse_caps(config.memory_caps, world) if config.memory_caps else None,
             probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
             loss_scale=config.loss_scale, items_per_sample=config.block_size, master_params=self.masters,
-            seed=config.seed, simulated_speed=speed, timeout=timedelta(seconds=config.timeout))
+            seed=config.seed, simulated_speed=speed, timeout=timedelta(seconds=config.timeout),
+            overlap=config.overlap)
         self.reducer = self.loop.reducer
         self.caps = self.loop.caps
         self.speed = speed
