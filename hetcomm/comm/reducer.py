@@ -46,14 +46,14 @@ def _same_settings(loss_scale: float | Tensor | None, expected_total: float | No
             "expected totals": 0.0 if expected_total is None else expected_total}
 
 
-def _check_expected_total(expected_total, count, grad_divisor) -> None:
+def _check_expected_total(expected_total, count, grad_divisor, who: str) -> None:
     if expected_total is None:
         return
     if count is None and grad_divisor is None:
-        raise ValueError("hetcomm.WeightedReducer: expected_total goes with count= (and grad_divisor=), not weight=")
+        raise ValueError(f"{who}: expected_total goes with count= (and grad_divisor=), not weight=")
     if isinstance(expected_total, bool) or not isinstance(expected_total, (int, float)) \
             or not math.isfinite(expected_total) or expected_total <= 0:
-        raise ValueError(f"hetcomm.WeightedReducer: expected_total = {expected_total!r}: expected a finite positive "
+        raise ValueError(f"{who}: expected_total = {expected_total!r}: expected a finite positive "
                          f"number (N's likely value, the same on every rank)")
 
 
@@ -209,7 +209,7 @@ class WeightedReducer:
                                             self._step.expected[1] if expected_total is None else float(expected_total),
                                             loss_scale, gather, while_in_flight, fault)
         self._check_start(weight, count, grad_divisor)
-        _check_expected_total(expected_total, count, grad_divisor)
+        _check_expected_total(expected_total, count, grad_divisor, self.who)
         if expected_total is not None:
             return self._reduce_by_expected(float(count), grad_divisor, float(expected_total), loss_scale, gather,
                                             while_in_flight)
@@ -326,7 +326,7 @@ class WeightedReducer:
                 raise ValueError(f"{self.who}: begin(expected_total=...) arms the gradient hooks of overlap=True; "
                                  f"without overlap pass expected_total to reduce()")
             self._check_start(None, 1.0, grad_divisor)
-            _check_expected_total(expected_total, None, grad_divisor)
+            _check_expected_total(expected_total, None, grad_divisor, self.who)
             self._step = self._new_step(grad_divisor / expected_total, None)
             self._step.expected = (float(grad_divisor), float(expected_total))
             self._step.may_send = may_send
