@@ -7,10 +7,18 @@
 #   4. on a GPU newer than sm_86 (so not one of the legacy targets), builds a copy of the
 #      tree for TORCH_CUDA_ARCH_LIST="7.5+PTX": the GPU then runs the legacy-targeted
 #      build through its compute_75 PTX, JIT-compiled by the driver; tests and benchmarks
-#      again, labelled "ptx-7.5".
+#      again, labelled "ptx-7.5";
+#   5. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
+#      the largest BERT micro-batch on emulated 12 and 16 GB cards against the planner's
+#      cap (needs transformers; it stops starting cases 30 s before the budget ends).
 # Everything (environment, build logs, test reports, benchmark JSON/CSV) goes to $OUT.
 #
 #   PYTHON=/path/to/venv/bin/python OUT=/tmp/gpu-results bash benchmarks/gpu_check.sh
+#
+# The device tool brings back at most 8 files from its $OUT: there, run it with OUT in a
+# scratch folder and pack that into one archive under the tool's $OUT:
+#
+#   BUDGET_S=540 OUT=/tmp/gc bash benchmarks/gpu_check.sh; tar czf "$OUT/gpu_check.tgz" -C /tmp/gc .
 #
 # Exit status: 0 when every build and test passed (benchmark targets are reported, not
 # enforced), 1 otherwise.
@@ -102,6 +110,14 @@ if (("${CAPABILITY/./}" > 86)); then
     rm -f "$PTX_TREE"/hetcomm/_C*.so
     check "$PTX_TREE" ptx-7.5 "7.5+PTX"
   fi
+fi
+
+if (($(remaining) >= ${MAX_BATCH_MIN_S:-150})); then
+  section "largest micro-batch on emulated cards"
+  run max_batch "$ROOT" env PYTHONPATH="$ROOT" "$PY" benchmarks/gpu_max_batch.py --out "$OUT" \
+    --budget-s "$(($(remaining) - 30))"
+else
+  echo "skipped gpu_max_batch.py: $(remaining)s left" | tee -a "$LOG"
 fi
 
 section "done in $(($(date +%s) - START))s; results in $OUT"

@@ -1,0 +1,96 @@
+"""benchmarks/gpu_max_batch.py: the search for the largest micro-batch, and the training
+step whose running out of memory it catches. The measurement itself needs a CUDA GPU;
+these parts run on the CPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetcomm.plan.model_shape import ModelShape
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def script():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_max_batch
+        yield gpu_max_batch
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 100])
+def test_the_search_finds_every_threshold_exactly_and_in_few_tries(script, limit):
+    for threshold in range(0, limit + 3):
+        tried = []
+
+        def fits(batch):
+            tried.append(batch)
+            return batch <= threshold
+
+        largest, failed = script.largest_fitting(fits, limit=limit)
+        assert largest == min(threshold, limit)
+        assert failed == (None if threshold >= limit else threshold + 1)
+        assert all(1 <= b <= limit for b in tried)
+        assert len(tried) <= 2 * max(1, limit).bit_length() + 1
+
+
+def test_the_search_reports_no_sequence_fitting_as_zero(script):
+    assert script.largest_fitting(lambda batch: False) == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def steps(script):
+    pytest.importorskip("transformers")
+    case = script.Case("titanx", "bert-base-qa", 16, "fp32", "eager")
+    return script.BertSteps(case, torch.device("cpu"), ModelShape("small", 2, 2, 32, 100, "bert", "qa"))
+
+
+def test_a_step_trains_the_model(steps):
+    before = [p.detach().clone() for p in steps.model.parameters()]
+    assert steps.fits(2)
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, steps.model.parameters()))
+    assert changed > len(before) // 2
+    assert all(p.grad is None for p in steps.model.parameters())
+
+
+def test_running_out_of_memory_is_a_no_and_leaves_the_model_usable(script, steps, monkeypatch):
+    real_step = steps.step
+
+    def step(batch):
+        real_step(min(batch, 1))
+        if batch > 3:
+            # What the allocator raises, after the forward has made its activations.
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(steps, "step", step)
+    assert script.largest_fitting(steps.fits, limit=64) == (3, 4)
+    assert all(p.grad is None for p in steps.model.parameters())
+    monkeypatch.undo()
+    assert steps.fits(1)
+
+
+def test_without_a_gpu_the_script_says_so_and_measures_nothing(script, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would measure")
+    assert script.main(["--cards", "titanx"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_library_s_failed_allocation_is_a_no_and_other_errors_are_raised(steps, monkeypatch):
+    def out_of_memory(batch):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    monkeypatch.setattr(steps, "step", out_of_memory)
+    assert not steps.fits(1)
+
+    def broken(batch):
+        raise RuntimeError("expected all tensors to be on the same device")
+
+    monkeypatch.setattr(steps, "step", broken)
+    with pytest.raises(RuntimeError, match="same device"):
+        steps.fits(1)
