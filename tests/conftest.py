@@ -1,6 +1,10 @@
-"""Shared test inputs: dtypes, odd sizes, GPT-shaped parameter lists, devices."""
+"""Shared test inputs: dtypes, odd sizes, GPT-shaped parameter lists, devices; the
+benchmark scripts as modules."""
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import cuda_emulator
 import pytest
@@ -155,3 +159,16 @@ def special_values(dtype) -> torch.Tensor:
               65504.0, 65520.0, 70000.0, -70000.0, 6e-8, 3e-8, 1e-40, 3.0e38, -3.0e38,
               float(torch.finfo(torch.bfloat16).max), 2**-126, 2**-149]
     return torch.tensor(values, dtype=torch.float32).to(dtype)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def import_benchmark(name: str):
+    """benchmarks/<name>.py as a module: the folder is on the path while it loads, for
+    its imports of its neighbours (result_files)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

@@ -2,25 +2,16 @@
 step whose running out of memory it catches. The measurement itself needs a CUDA GPU;
 these parts run on the CPU."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import import_benchmark
 
 from hetcomm.plan.model_shape import ModelShape
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import gpu_max_batch
-        yield gpu_max_batch
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("gpu_max_batch")
 
 
 @pytest.mark.parametrize("limit", [1, 7, 64, 100])

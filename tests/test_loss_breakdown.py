@@ -1,21 +1,12 @@
 """benchmarks/loss_breakdown.py: the time over the ideal bound, cut into parts that add up."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def breakdown():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from loss_breakdown import breakdown
-        yield breakdown
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("loss_breakdown").breakdown
 
 
 def step(split, compute_s, step_s, speeds=(10.0, 5.0), samples=None):

@@ -1,23 +1,14 @@
 """benchmarks/replay_rebalancer.py: logged step times replayed through a rebalancer."""
 
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import import_benchmark
 
 import hetcomm.balance.rebalancer as tree_rebalancer
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def replay_module():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import replay_rebalancer
-        yield replay_rebalancer
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return import_benchmark("replay_rebalancer")
 
 
 def logged(split, rates, steps, samples=None):
