@@ -103,9 +103,13 @@ class BertSteps:
         self.case, self.device, self.vocab = case, device, shape.vocab_size
         self.model = BertForQuestionAnswering(config).to(device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        autocast = case.precision == "fp16"
-        self.autocast = torch.autocast(device.type, dtype=torch.float16, enabled=autocast)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=autocast)
+        self.autocast = torch.autocast(device.type, dtype=torch.float16, enabled=case.precision == "fp16")
+        self.scaler = self._new_scaler()
+
+    def _new_scaler(self) -> torch.amp.GradScaler:
+        # A modest first scale: a step the scaler skipped for an overflow would leave out
+        # the optimizer's temporaries, and the very first would leave AdamW without moments.
+        return torch.amp.GradScaler(self.device.type, init_scale=2.0**10, enabled=self.case.precision == "fp16")
 
     def step(self, batch: int) -> None:
         tokens = torch.randint(0, self.vocab, (batch, self.case.seq), device=self.device)
@@ -127,9 +131,11 @@ class BertSteps:
                 torch.cuda.synchronize(self.device)
             return True
         except torch.OutOfMemoryError:
+            self.scaler = self._new_scaler()   # cut short before its update(), it would refuse the next step
             return False
         except RuntimeError as error:   # a library's own allocation (cuBLAS, cuDNN) failing
             if "out of memory" in str(error) or "ALLOC_FAILED" in str(error):
+                self.scaler = self._new_scaler()
                 return False
             raise
         finally:
@@ -151,6 +157,8 @@ def measure(case: Case, device: torch.device) -> dict:
     started = time.perf_counter()
     steps = BertSteps(case, device)
     steps.step(1)   # AdamW's moments, as every step after a run's first holds them
+    if not steps.optimizer.state:
+        raise RuntimeError(f"{case}: the first step made no AdamW moments (the scaler skipped it)")
     largest, failed = largest_fitting(steps.fits)
     peak = None
     if largest:

@@ -85,3 +85,20 @@ def test_a_library_s_failed_allocation_is_a_no_and_other_errors_are_raised(steps
     monkeypatch.setattr(steps, "step", broken)
     with pytest.raises(RuntimeError, match="same device"):
         steps.fits(1)
+
+
+def test_a_step_cut_short_before_the_scaler_s_update_leaves_the_next_one_whole(script, monkeypatch):
+    pytest.importorskip("transformers")
+    case = script.Case("v100", "bert-base-qa", 16, "fp16", "sdpa")
+    steps = script.BertSteps(case, torch.device("cpu"), ModelShape("small", 2, 2, 32, 100, "bert", "qa"))
+    steps.step(1)
+
+    def update(*args, **kwargs):   # the optimizer has stepped; the allocator fails before the update
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(steps.scaler, "update", update)
+    assert not steps.fits(2)
+    before = [p.detach().clone() for p in steps.model.parameters()]
+    assert steps.fits(2)   # the same scaler would refuse: "step() has already been called"
+    assert steps.scaler.get_scale() == 2.0**10   # no overflow skipped the steps: they updated
+    assert sum(not torch.equal(b, p) for b, p in zip(before, steps.model.parameters())) > len(before) // 2
