@@ -101,7 +101,8 @@ class BertSteps:
                             intermediate_size=4 * shape.n_embd, attn_implementation=case.attention)
         torch.manual_seed(0)
         self.case, self.device, self.vocab = case, device, shape.vocab_size
-        self.model = BertForQuestionAnswering(config).to(device).train()
+        with device:   # initialised where it runs: BERT-large's 335M on the host would take seconds a case
+            self.model = BertForQuestionAnswering(config).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.autocast = torch.autocast(device.type, dtype=torch.float16, enabled=case.precision == "fp16")
         self.scaler = self._new_scaler()
