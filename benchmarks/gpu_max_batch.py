@@ -157,10 +157,11 @@ def measure(case: Case, device: torch.device) -> dict:
                                                device)
     started = time.perf_counter()
     steps = BertSteps(case, device)
-    steps.step(1)   # AdamW's moments, as every step after a run's first holds them
-    if not steps.optimizer.state:
-        raise RuntimeError(f"{case}: the first step made no AdamW moments (the scaler skipped it)")
-    largest, failed = largest_fitting(steps.fits)
+    largest, failed = 0, 1
+    if steps.fits(1):   # AdamW's moments made, as every step after a run's first holds them
+        if not steps.optimizer.state:
+            raise RuntimeError(f"{case}: the first steps made no AdamW moments (the scaler skipped them)")
+        largest, failed = largest_fitting(steps.fits)
     peak = None
     if largest:
         torch.cuda.reset_peak_memory_stats(device)
