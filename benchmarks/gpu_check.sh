@@ -10,7 +10,8 @@
 #      again, labelled "ptx-7.5";
 #   5. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
 #      the largest BERT micro-batch on emulated 12 and 16 GB cards against the planner's
-#      cap (needs transformers; it stops starting cases 30 s before the budget ends).
+#      cap (needs transformers; it stops starting cases 30 s before the budget ends, and
+#      when the budget's timeout cuts a case short it still writes the cases measured).
 # Everything (environment, build logs, test reports, benchmark JSON/CSV) goes to $OUT.
 #
 #   PYTHON=/path/to/venv/bin/python OUT=/tmp/gpu-results bash benchmarks/gpu_check.sh

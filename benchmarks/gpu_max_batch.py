@@ -29,15 +29,16 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 from result_files import add_out_arguments, gpu_tag, write_results
 
-from hetcomm.plan.catalog import load_catalog
+from hetcomm.plan.catalog import Device, load_catalog
 from hetcomm.plan.cost import CONTEXT_BYTES, device_cost
 from hetcomm.plan.model_shape import PRESETS, ModelShape
 
@@ -146,10 +147,10 @@ class BertSteps:
                 torch.cuda.empty_cache()
 
 
-def measure(case: Case, device: torch.device) -> dict:
-    """The measured largest micro-batch of `case` and the planner's, with the peak the
-    allocator reached at the measured one against the planner's count of it."""
-    catalog_device = load_catalog().device(case.card)
+def measure(case: Case, device: torch.device, catalog_device: Device) -> dict:
+    """The measured largest micro-batch of `case` on `device`, emulating `catalog_device`,
+    and the planner's, with the peak the allocator reached at the measured one against the
+    planner's count of it."""
     cost = device_cost(catalog_device, PRESETS[case.model], case.seq, case.precision, wire_bytes=0,
                        memory_fraction=1.0, attention=case.planner_attention)
     budget = catalog_device.memory_gib * 2**30 - CONTEXT_BYTES
@@ -176,6 +177,37 @@ def measure(case: Case, device: torch.device) -> dict:
             "seconds": time.perf_counter() - started}
 
 
+class Stopped(BaseException):
+    """SIGTERM arrived (what `timeout` sends when gpu_check.sh's budget ends). A
+    BaseException, so that the out-of-memory handling in BertSteps.fits lets it through."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped
+
+
+def measure_all(cases: Iterable[Case], measure_one: Callable[[Case], dict],
+                budget_s: float) -> tuple[list[dict], str | None]:
+    """Measures `cases` in order, each row printed as it comes, until they are done, the
+    budget is spent (no case starts after budget_s) or SIGTERM arrives; returns the rows
+    and why it stopped early (None: every case measured). A GPU is lent for minutes: when
+    the end cuts a case short, the cases measured before it are still reported."""
+    cases, rows = list(cases), []
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    started = time.perf_counter()
+    try:
+        for case in cases:
+            if time.perf_counter() - started > budget_s:
+                return rows, f"out of time after {len(rows)} of {len(cases)} cases ({budget_s:g} s budget)"
+            rows.append(measure_one(case))
+            print(row_line(rows[-1]), flush=True)
+        return rows, None
+    except Stopped:
+        return rows, f"stopped by SIGTERM after {len(rows)} of {len(cases)} cases"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def row_line(row: dict) -> str:
     error = "-" if row["error"] is None else f"{row['error']:+.1%}"
     peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.2f}"
@@ -184,7 +216,7 @@ def row_line(row: dict) -> str:
             f"{row['measured']} | {row['planner']} | {error} | {peak} | {counted} |")
 
 
-def report(rows: list[dict], gpu: str) -> str:
+def report(rows: list[dict], gpu: str, stopped: str | None = None) -> str:
     lines = ["| card | model | seq | precision | attention | measured | planner | error | peak GiB at the measured "
              "one | planner's count of it |", "|---|---|---|---|---|---|---|---|---|---|",
              *map(row_line, rows)]
@@ -192,6 +224,8 @@ def report(rows: list[dict], gpu: str) -> str:
     within = sum(error <= TARGET for error in errors)
     summary = (f"\n{within} of {len(errors)} within {TARGET:.0%}; mean |error| {sum(errors) / len(errors):.1%}, "
                f"max {max(errors):.1%}.\n" if errors else "")
+    if stopped:
+        summary += f"\nIncomplete: {stopped}; the others were not measured.\n"
     return (f"# Largest BERT micro-batch on an emulated card: measured on {gpu} against the planner\n\n"
             f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {gpu} (not the card named: its caching "
             f"allocator capped at the card's memory less {CONTEXT_BYTES / 2**30:.1f} GiB of context), torch "
@@ -219,16 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         catalog.device(card)   # an unknown card fails here, before any measurement
     device = torch.device("cuda", 0)
     gpu = torch.cuda.get_device_name(device)
-    started, rows = time.perf_counter(), []
     # Eager attention's cases first: they are the ones issue 18 judges, should the budget run out.
-    for attention, card, model, seq, precision in itertools.product(args.attentions, args.cards, args.models,
-                                                                    args.seqs, args.precisions):
-        if time.perf_counter() - started > args.budget_s:
-            print(f"out of time after {len(rows)} cases", flush=True)
-            break
-        rows.append(measure(Case(card, model, seq, precision, attention), device))
-        print(row_line(rows[-1]), flush=True)
-    text = report(rows, gpu)
+    cases = (Case(card, model, seq, precision, attention) for attention, card, model, seq, precision
+             in itertools.product(args.attentions, args.cards, args.models, args.seqs, args.precisions))
+    rows, stopped = measure_all(cases, lambda case: measure(case, device, catalog.device(case.card)), args.budget_s)
+    if stopped:
+        print(stopped, flush=True)
+    text = report(rows, gpu, stopped)
     print(text)
     if args.out:
         write_results(args.out, "max_batch", text, rows, machine=gpu_tag(gpu), run=args.run)

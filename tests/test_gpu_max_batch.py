@@ -2,6 +2,10 @@
 step whose running out of memory it catches. The measurement itself needs a CUDA GPU;
 these parts run on the CPU."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 from conftest import import_benchmark
@@ -102,3 +106,50 @@ def test_a_step_cut_short_before_the_scaler_s_update_leaves_the_next_one_whole(s
     assert steps.fits(2)   # the same scaler would refuse: "step() has already been called"
     assert steps.scaler.get_scale() == 2.0**10   # no overflow skipped the steps: they updated
     assert sum(not torch.equal(b, p) for b, p in zip(before, steps.model.parameters())) > len(before) // 2
+
+
+def _row(case):
+    return {"card": case.card, "model": case.model, "seq": case.seq, "precision": case.precision,
+            "attention": case.attention, "measured": 8, "planner": 10, "error": 0.25, "peak_bytes": None,
+            "planner_bytes_at_measured": None}
+
+
+def _cases(script, count):
+    return [script.Case("titanx", "bert-base-qa", 128 * (i + 1), "fp32", "eager") for i in range(count)]
+
+
+def test_every_case_is_measured_in_order_when_nothing_stops_it(script):
+    cases = _cases(script, 3)
+    rows, stopped = script.measure_all(cases, _row, budget_s=60)
+    assert stopped is None
+    assert [row["seq"] for row in rows] == [128, 256, 384]
+
+
+def test_sigterm_keeps_the_cases_measured_before_it(script):
+    # What `timeout` sends when gpu_check.sh's budget ends, in the middle of a case.
+    def measure_one(case):
+        if case.seq == 256:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)   # interrupted: the handler runs as soon as the signal arrives
+        return _row(case)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    started = time.perf_counter()
+    rows, stopped = script.measure_all(_cases(script, 3), measure_one, budget_s=60)
+    assert time.perf_counter() - started < 5
+    assert [row["seq"] for row in rows] == [128]
+    assert stopped == "stopped by SIGTERM after 1 of 3 cases"
+    assert signal.getsignal(signal.SIGTERM) is handler
+    text = script.report(rows, "a GPU", stopped)
+    assert "| titanx | bert-base-qa | 128 | fp32 | eager | 8 | 10 | +25.0% |" in text
+    assert "Incomplete: stopped by SIGTERM after 1 of 3 cases" in text
+
+
+def test_no_case_starts_once_the_budget_is_spent(script):
+    def slow(case):
+        time.sleep(0.05)
+        return _row(case)
+
+    rows, stopped = script.measure_all(_cases(script, 3), slow, budget_s=0.01)
+    assert [row["seq"] for row in rows] == [128]
+    assert stopped.startswith("out of time after 1 of 3 cases")
