@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hetcomm.balance import StepTimeProfile, predict_rank_times, solve_split, solver
+from hetcomm.balance import StepTimeProfile, optimal_rank_times, predict_rank_times, solve_split, solver
 
 
 def reference_time(size, profile, cap, policy, global_batch):
@@ -68,6 +68,8 @@ def test_matches_brute_force(seed, enumeration_limit, monkeypatch):
         if expected is None:
             with pytest.raises(ValueError):
                 solve_split(global_batch, profiles, caps, policy, min_per_rank=min_per_rank)
+            with pytest.raises(ValueError):
+                optimal_rank_times(global_batch, profiles, caps, policy, min_per_rank=min_per_rank)
             continue
         split = solve_split(global_batch, profiles, caps, policy, min_per_rank=min_per_rank)
         case = (global_batch, profiles, caps, policy, min_per_rank, split.sizes)
@@ -77,6 +79,8 @@ def test_matches_brute_force(seed, enumeration_limit, monkeypatch):
                    for b, m, least in zip(split.sizes, caps, minimums(min_per_rank, len(caps)))), case
         times = [reference_time(b, p, m, policy, global_batch) for b, p, m in zip(split.sizes, profiles, caps)]
         assert list(split.rank_times) == times and max(times) == split.step_time, case
+        assert optimal_rank_times(global_batch, profiles, caps, policy, min_per_rank=min_per_rank) \
+            == split.rank_times, case
         assert_balanced(split.sizes, profiles, caps, policy, min_per_rank, global_batch)
 
 
@@ -217,3 +221,5 @@ def test_predict_rank_times_uses_the_same_model():
 def test_bad_input_names_the_argument(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         solve_split(*args, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        optimal_rank_times(*args, **kwargs)

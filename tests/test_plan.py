@@ -3,6 +3,7 @@
 models that fit nowhere, calibration from a run's log, the rebalancer simulation, the
 command line and its bad input."""
 
+import dataclasses
 import json
 import math
 
@@ -125,6 +126,24 @@ def test_a_card_that_slows_the_cluster_down_is_named(catalog):
     slow = plan.slow_cards[0]
     assert slow.step_s < plan.step_s and slow.faster == pytest.approx(1 - slow.step_s / plan.step_s)
     assert plan_for(catalog, "4xv100", global_batch=64).slow_cards == ()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_slow_card_s_step_is_the_plan_without_those_cards(catalog, overlap):
+    # The analysis re-plans by a shorter path (no micro-batches, equal split or single
+    # device): its step times must be make_plan's, jitter and overlap included.
+    shape = parse_model("gpt2-124m")
+    members = spec_members(parse_cluster("4xa100,2x1060+1xt4", catalog), shape, 1024, wire="fp16",
+                           memory_fraction=0.9)
+    members = [dataclasses.replace(m, jitter=0.05 * (i % 3)) for i, m in enumerate(members)]
+    links = {"in_node": catalog.link("pcie3"), "between_nodes": catalog.link("10gbe")}
+    plan = make_plan(members, shape, 1024, 64, overlap=overlap, **links)
+    assert {slow.name for slow in plan.slow_cards} >= {"1060", "t4"}
+    for slow in plan.slow_cards:
+        kind = [i for i, m in enumerate(members) if m.name == slow.name]
+        rest = [m for i, m in enumerate(members) if i not in kind[-slow.removed:]]
+        assert slow.step_s == make_plan(rest, shape, 1024, 64, overlap=overlap, find_slow_cards=False,
+                                        **links).step_s
 
 
 def test_cards_without_room_are_left_out_with_the_reason(catalog):

@@ -10,9 +10,10 @@ from hetcomm.balance.memory import CudaPeakMeter, MemoryProbe, PeakMeter, probe_
 from hetcomm.balance.profile import StepTimeProfile, fit_step_time, measure_step_times, profile_step
 from hetcomm.balance.rebalancer import RebalanceDecision, Rebalancer
 from hetcomm.balance.sampler import WeightedDistributedSampler, proportional_shares
-from hetcomm.balance.solver import POLICIES, Split, equal_split, predict_rank_times, solve_split
+from hetcomm.balance.solver import (POLICIES, Split, equal_split, optimal_rank_times, predict_rank_times,
+                                   solve_split)
 
 __all__ = ["StepTimeProfile", "fit_step_time", "measure_step_times", "profile_step", "MemoryProbe", "PeakMeter",
            "CudaPeakMeter", "probe_memory", "probe_memory_with", "POLICIES", "Split", "equal_split", "solve_split",
-           "predict_rank_times", "Rebalancer", "RebalanceDecision", "DistributedRebalancer",
+           "optimal_rank_times", "predict_rank_times", "Rebalancer", "RebalanceDecision", "DistributedRebalancer",
            "WeightedDistributedSampler", "proportional_shares"]

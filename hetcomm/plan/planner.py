@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetcomm.balance import Split, equal_split, predict_rank_times, solve_split
+from hetcomm.balance import Split, equal_split, optimal_rank_times, predict_rank_times, solve_split
 from hetcomm.plan.catalog import Device, Link
 from hetcomm.plan.cluster import ClusterDevice
 from hetcomm.plan.cost import (CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost, device_cost,
@@ -151,6 +151,11 @@ def _why_left_out(cost: DeviceCost) -> str:
             f"{(cost.memory_bytes - cost.state_bytes) / gib:.2f} GiB are left beside the state")
 
 
+def _trains(member: Member) -> bool:
+    """Whether the device holds at least one sample (no cap known: a CPU's)."""
+    return member.cost.cap is None or member.cost.cap >= 1
+
+
 def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, *, in_node: Link,
               between_nodes: Link, wire: str = "fp16", overlap: bool = False, find_slow_cards: bool = True,
               memory_fraction: float = 0.9) -> Plan:
@@ -162,7 +167,7 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
         raise ValueError(f"--wire {wire!r}: expected one of {', '.join(WIRE_BYTES)}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"--global-batch {global_batch!r}: expected a positive integer")
-    training = [m for m in members if m.cost.cap is None or m.cost.cap >= 1]
+    training = [m for m in members if _trains(m)]
     left_out = tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if m not in training) \
         if len(training) < len(members) else ()
     if not training:
@@ -176,25 +181,40 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
                          f"more, or fewer devices")
     profiles, caps = [(m.cost.fixed, m.cost.per_sample) for m in training], [m.cost.cap for m in training]
     split = solve_split(global_batch, profiles, caps, "accumulate")
-    link = ring_link({m.node for m in training}, in_node, between_nodes)
-    all_reduce = all_reduce_cost(len(training), model.parameters(seq), WIRE_BYTES[wire], link)
-    jitter = [m.jitter for m in training]
-    compute = expected_slowest(split.rank_times, jitter)
-    equal_times = predict_rank_times(equal_split(global_batch, len(training)), profiles, caps)
-    equal_compute = expected_slowest(equal_times, jitter)
-    exposed = exposed_communication(all_reduce, BACKWARD_SHARE * compute, overlap)
-    equal_exposed = exposed_communication(all_reduce, BACKWARD_SHARE * equal_compute, overlap)
-    update = max(m.cost.update_seconds for m in training)
+    step = _Step(training, model, seq, in_node, between_nodes, wire, overlap)
+    compute = step.compute(split.rank_times)
+    equal_compute = step.compute(predict_rank_times(equal_split(global_batch, len(training)), profiles, caps))
     fastest = min(training, key=lambda m: m.cost.per_sample)
     alone = predict_rank_times([global_batch], [(fastest.cost.fixed, fastest.cost.per_sample)], [fastest.cost.cap])[0]
-    plan = Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=overlap, link=link,
-                members=tuple(training), left_out=left_out, split=split, compute_s=compute, all_reduce=all_reduce,
-                exposed_comm_s=exposed, update_s=update, step_s=compute + exposed + update,
-                equal_step_s=equal_compute + equal_exposed + update, single_device=fastest.label,
+    plan = Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=overlap, link=step.link,
+                members=tuple(training), left_out=left_out, split=split, compute_s=compute,
+                all_reduce=step.all_reduce, exposed_comm_s=step.exposed(compute), update_s=step.update,
+                step_s=step.seconds(compute), equal_step_s=step.seconds(equal_compute), single_device=fastest.label,
                 single_device_s=alone + fastest.cost.update_seconds)
     if not find_slow_cards:
         return plan
     return Plan(**{**plan.__dict__, "slow_cards": _slow_cards(plan, members, in_node, between_nodes)})
+
+
+class _Step:
+    """What follows the slowest rank's compute in a step of `training`: the all-reduce
+    over the ring's slowest link (the part backward does not hide) and the update."""
+
+    def __init__(self, training: Sequence[Member], model: ModelShape, seq: int, in_node: Link, between_nodes: Link,
+                 wire: str, overlap: bool):
+        self.link = ring_link({m.node for m in training}, in_node, between_nodes)
+        self.all_reduce = all_reduce_cost(len(training), model.parameters(seq), WIRE_BYTES[wire], self.link)
+        self.update = max(m.cost.update_seconds for m in training)
+        self.jitter, self.overlap = [m.jitter for m in training], overlap
+
+    def compute(self, rank_times: Sequence[float]) -> float:
+        return expected_slowest(rank_times, self.jitter)
+
+    def exposed(self, compute: float) -> float:
+        return exposed_communication(self.all_reduce, BACKWARD_SHARE * compute, self.overlap)
+
+    def seconds(self, compute: float) -> float:
+        return compute + self.exposed(compute) + self.update
 
 
 def expected_slowest(times: Sequence[float], jitter: Sequence[float]) -> float:
@@ -219,18 +239,24 @@ def _slow_cards(plan: Plan, members: Sequence[Member], in_node: Link, between_no
         for removed in dict.fromkeys((1, len(positions))):
             drop = set(positions[-removed:])
             rest = [m for i, m in enumerate(members) if i not in drop]
-            if sum(1 for m in rest if m.cost.cap is None or m.cost.cap >= 1) == 0:
-                continue
-            try:
-                without = make_plan(rest, plan.model, plan.seq, plan.global_batch, in_node=in_node,
-                                    between_nodes=between_nodes, wire=plan.wire, overlap=plan.overlap,
-                                    find_slow_cards=False)
-            except ValueError:
-                continue
-            if without.step_s < plan.step_s * (1 - SLOW_CARD_GAIN):
-                found.append(SlowCard(name, members[positions[0]].label, removed, without.step_s,
-                                      1 - without.step_s / plan.step_s))
+            step_s = _step_seconds(rest, plan, in_node, between_nodes)
+            if step_s is not None and step_s < plan.step_s * (1 - SLOW_CARD_GAIN):
+                found.append(SlowCard(name, members[positions[0]].label, removed, step_s, 1 - step_s / plan.step_s))
     return tuple(sorted(found, key=lambda slow: -slow.faster))
+
+
+def _step_seconds(members: Sequence[Member], plan: Plan, in_node: Link, between_nodes: Link) -> float | None:
+    """make_plan(members, ...).step_s with `plan`'s settings, None where make_plan would
+    refuse the members (none can train, or fewer samples than devices), computed without
+    the micro-batches, the equal split and the single-device time a reported plan holds:
+    about half the time of each of the slow-card analysis's re-plans."""
+    training = [m for m in members if _trains(m)]
+    if not training or plan.global_batch < len(training):
+        return None
+    times = optimal_rank_times(plan.global_batch, [(m.cost.fixed, m.cost.per_sample) for m in training],
+                               [m.cost.cap for m in training], "accumulate")
+    step = _Step(training, plan.model, plan.seq, in_node, between_nodes, plan.wire, plan.overlap)
+    return step.seconds(step.compute(times))
 
 
 def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: str, memory_fraction: float) -> str:
