@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from distributed import run_ranks, values
 from torch import nn
 
-from hetcomm.balance import WeightedDistributedSampler
+from hetcomm.balance import WeightedDistributedSampler, handoff
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.batches import micro_batches
 from hetcomm.simulated import SimulatedSpeed, Slowdown
@@ -285,6 +285,51 @@ def test_the_report_comes_after_a_first_micro_batch_of_the_given_part(tmp_path, 
         # from a straggler under load come after it.)
         assert all(sizes[0] == dealt for dealt, sizes in record[1:4])
         assert all(sizes[0] == math.ceil(part * dealt) for dealt, sizes in record[4:]), record
+
+
+def train_with_two_self_reported_givers(rank, world, steps):
+    """train_in_loop with a report cut at a quarter of the share, where from the first
+    step whose forward can tell a straggler both ranks report themselves givers: rank 0
+    at 100x rank 1's predicted seconds. The plan then makes rank 0 give and rank 1, which
+    also reported itself a giver, receive (as under load, when a hiccup slows a rank's
+    forward past the planned step in the step where another card throttles). Returns the
+    steps' handoffs and the weights."""
+    real_report = handoff.report
+
+    def forced_report(first, seconds, own, forward_share, *args):
+        if forward_share is None or own == 0:
+            return real_report(first, seconds, own, forward_share, *args)
+        as_dealt = 100.0 if rank == 0 else 1.0
+        return handoff.Report(0, seconds, own, as_dealt / own, 0.0, True, as_dealt)
+
+    handoff.report = forced_report
+    model = TinyTagger()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
+                        handoff_report_part=0.25)
+    plans = []
+    for step in loop.steps(steps):
+        for batch in step:
+            loss, count = masked_loss(model, batch)
+            step.backward(loss, count=count)
+        result = step.reduce()
+        optimizer.step()
+        plans.append(result.handoff)
+    return plans, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_self_reported_giver_that_the_plan_makes_a_receiver_holds_its_buckets(tmp_path):
+    # Such a rank learns the plan at its first backward and goes on with the rest of its
+    # share: its buckets must not leave with that share's last backward, since samples
+    # taken on from the other giver come after it (they left, and the step then failed
+    # with "disarm() ... buckets have left", once in a loaded test run).
+    ranks = values(run_ranks(2, train_with_two_self_reported_givers, 6, tmp_path=tmp_path))
+    expected = one_process(6)[1]
+    for plans, weights in ranks:
+        handed = [p for p in plans if p is not None]
+        assert handed and all(p.received == (0, p.received[1]) and p.received[1] > 0 for p in handed), plans
+        for got, want in zip(weights, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def misuse(rank, world, how):

@@ -261,7 +261,10 @@ class LoopStep:
         kept = mine.plan.kept[rank] if mine.plan and mine.report.giver else len(indices)
         if self._cut is not None:   # a giver's plan: its kept samples past those done
             self._cut = None
-            yield from self._run(indices[self.samples:kept], final=True)
+            # A rank that reported itself a giver may, beside a slower giver, be made a
+            # receiver by the plan: its own share then does not end the step, and its
+            # buckets must wait for the samples it takes on.
+            yield from self._run(indices[self.samples:kept], final=not mine.plan.received[rank])
         else:
             self.measured = (seconds, len(indices))
             if indices:
