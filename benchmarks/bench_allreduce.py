@@ -5,7 +5,7 @@ the same run on the same gradients (a ~25M-parameter GPT's gradient list).
     python benchmarks/bench_allreduce.py                 # 2 and 4 ranks over plain loopback
     python benchmarks/bench_allreduce.py --link-gbit 1   # each rank behind a simulated 1 Gbit/s link
     python benchmarks/bench_allreduce.py --ranks 2 --json out.json
-    python benchmarks/bench_allreduce.py --link-gbit 1 --out benchmarks/results   # allreduce_1gbit_cpu_<date>.md/.json
+    python benchmarks/bench_allreduce.py --link-gbit 1 --out benchmarks/results   # allreduce_1gbit_cpu.md/.json
 
 Plain loopback moves bytes at memory speed, so there the reduction arithmetic, not the
 wire, dominates. --link-gbit R (root, Linux tc) shapes the loopback device to R x ranks
@@ -247,7 +247,7 @@ def main():
     print(text)
     if args.out:
         variant = "loopback" if args.link_gbit is None else f"{args.link_gbit:g}gbit"
-        write_results(args.out, "allreduce", text, rows, variant=variant, run=args.run)
+        write_results(args.out, "allreduce", text, rows, variant=variant)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ saved-tensor hooks (hetcomm.plan.saved_bytes), against the planner's activation 
 (hetcomm.plan.model_shape), eager and fused attention, fp32 and autocast.
 
     python benchmarks/bench_bert_memory.py                       # ~5 min on 2 cores
-    python benchmarks/bench_bert_memory.py --out benchmarks/results   # bert_memory_cpu_<date>.{md,json}
+    python benchmarks/bench_bert_memory.py --out benchmarks/results   # bert_memory_cpu.{md,json}
 """
 
 import argparse
@@ -50,7 +50,7 @@ def main() -> None:
             "Dropout keeps CUDA's 1-byte mask.\n\n"
             + "\n".join(lines) + "\n")
     if args.out:
-        write_results(args.out, "bert_memory", text, record, run=args.run)
+        write_results(args.out, "bert_memory", text, record)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Targets (issue 18): relative within 15% on average, at most 30%; absolute within
 on average; TF32 and fp16-on-Pascal rows within 30%; maximum batch sizes within 25%.
 
     python benchmarks/bench_cost_model.py                     # table on stdout, ~10 s
-    python benchmarks/bench_cost_model.py --out benchmarks/results   # cost_model_cpu_<date>.{md,json}
+    python benchmarks/bench_cost_model.py --out benchmarks/results   # cost_model_cpu.{md,json}
     python benchmarks/bench_cost_model.py --activation-traffic 5.3   # what-if: another memory-bound count
 """
 
@@ -202,7 +202,7 @@ def main() -> None:
         record["activation_traffic"] = traffic
     print(text)
     if args.out:
-        write_results(args.out, "cost_model", f"{title}\n\n{text}", record, run=args.run,
+        write_results(args.out, "cost_model", f"{title}\n\n{text}", record,
                       variant=f"traffic{traffic:g}" if args.activation_traffic else None)
 
 

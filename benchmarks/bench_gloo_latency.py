@@ -6,7 +6,7 @@ agreement instead of an all-reduce of their own.
 
     python benchmarks/bench_gloo_latency.py             # ~20 s
     python benchmarks/bench_gloo_latency.py --ranks 2
-    python benchmarks/bench_gloo_latency.py --out benchmarks/results   # gloo_latency_cpu_<date>.md/.json
+    python benchmarks/bench_gloo_latency.py --out benchmarks/results   # gloo_latency_cpu.md/.json
 
 Rows (median over 31 rounds of rank 0's time, a barrier before each round):
   small all-reduce          8 float64 (an agreement, a gathered statistic)
@@ -85,7 +85,7 @@ def main():
     print("\n".join(lines))
     if args.out:
         write_results(args.out, "gloo_latency", "\n".join(lines), {"ranks": args.ranks, "seconds": rows},
-                      variant=None if args.ranks == 4 else f"{args.ranks}ranks", run=args.run)
+                      variant=None if args.ranks == 4 else f"{args.ranks}ranks")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ throughputs of the dynamic run, per regime; no communication, no update); the me
 and the worst of the repeats. Loss weighting is by masked tokens, as in the example.
 
     python benchmarks/bench_hetero_bert.py                  # ~6 minutes a repeat on 2 cores
-    python benchmarks/bench_hetero_bert.py --repeats 3 --out benchmarks/results
+    python benchmarks/bench_hetero_bert.py --repeats 3 --out benchmarks/results   # hetero_bert_b128_cpu.md/.json
 """
 
 import argparse
@@ -34,7 +34,7 @@ from hetcomm.simulated import speeds_for_this_machine
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_bert_mlm.py"
 # 128 samples make a step of ~0.9 s here. At 64 (a 0.46 s step) the all-reduce and update alone
 # (~30 ms, 4-5 Gloo collectives among 4 processes on 2 cores) were 6.5% of a step and whole
-# samples 2.5%, both outside the ideal bound whatever the split (results: hetero_bert_b64_*).
+# samples 2.5%, both outside the ideal bound whatever the split (hetero_bert_b64_*, in git history).
 GLOBAL_BATCH = 128
 MODEL = ["--size", "small", "--seq", "128", "--dropout", "0", "--no-log"]
 STRATEGIES = {"equal split": "equal", "static split (first step's timing)": "static",
@@ -86,7 +86,7 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
     if args.out:
-        write_results(args.out, "hetero_bert", text, runs, variant=f"b{args.global_batch}", run=args.run)
+        write_results(args.out, "hetero_bert", text, runs, variant=f"b{args.global_batch}")
 
 
 def table(runs: list[dict], whole_from: int | None = None) -> str:

@@ -18,9 +18,9 @@ own, since a shared machine's speed drifts between runs minutes apart. Beside it
 same bound in whole windows: each step at the best integer split of its windows at those
 throughputs, the least any method that gives each window to one rank can take.
 
-    python benchmarks/bench_hetero_cluster.py                 # ~5 minutes on 2 cores
+    python benchmarks/bench_hetero_cluster.py                 # ~5 minutes a repeat on 2 cores
     python benchmarks/bench_hetero_cluster.py --steps 20 --json out.json
-    python benchmarks/bench_hetero_cluster.py --out benchmarks/results --run 1   # one of three repeats
+    python benchmarks/bench_hetero_cluster.py --repeats 3 --out benchmarks/results   # hetero_cluster_cpu.md/.json
 """
 
 import argparse
@@ -90,59 +90,73 @@ def ideal_seconds(steps_log: list[dict], slowdown_step: int | None, whole_window
     return total
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--json", help="also write the results here, with every run's step log")
-    add_out_arguments(parser)
-    args = parser.parse_args()
-    slowdown_step = args.steps // 2
+def measure(steps: int, repeat: int, work: Path) -> list[dict]:
+    """One repeat: every strategy in both scenarios, and the ideal bounds, as rows."""
+    slowdown_step = steps // 2
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
-            results = {}
-            strategies = {**STRATEGIES, **(WITHOUT_HANDOFF if slowdown else {})}
-            for number, (label, strategy) in enumerate(strategies.items()):
-                start = time.perf_counter()
-                result = run(strategy, args.steps, slowdown, Path(tmp) / f"{number}-{bool(slowdown)}")
-                # The first step's step_s holds its timed parts (--equal-steps 0) and the warm-up before them.
-                train_seconds = sum(s["step_s"] for s in result["steps"])
-                results[label] = (train_seconds, time.perf_counter() - start, result)
-            regime_start = slowdown_step if slowdown else None
-            ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start)
-            equal_seconds = results["equal split"][0]
-            for label, (seconds, wall, result) in results.items():
-                own_ideal = ideal_seconds(result["steps"], regime_start)
-                rows.append({"scenario": scenario, "strategy": label, "train_seconds": seconds,
-                             "wall_seconds_with_startup": wall, "own_ideal_seconds": own_ideal,
-                             "reduction_vs_equal": 1 - seconds / equal_seconds, "over_ideal": seconds / ideal - 1,
-                             "over_own_ideal": seconds / own_ideal - 1, "steps": result["steps"]})
-            rows.append({"scenario": scenario, "strategy": "ideal bound (median throughputs, no communication)",
-                         "train_seconds": ideal, "reduction_vs_equal": 1 - ideal / equal_seconds, "over_ideal": 0.0,
-                         "over_own_ideal": None})
-            whole = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start, whole_windows=True)
-            rows.append({"scenario": scenario, "strategy": "ideal bound in whole windows (best integer split of the "
-                         "same throughputs, no communication)", "train_seconds": whole,
-                         "reduction_vs_equal": 1 - whole / equal_seconds, "over_ideal": whole / ideal - 1,
-                         "over_own_ideal": None})
-    tokens = args.steps * GLOBAL_BATCH * 128
-    lines = [f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-"
-             f"thread CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, "
-             f"scaled to keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of "
-             f"{GLOBAL_BATCH} windows x 128 tokens ({tokens} tokens), torch {torch.__version__}. Seconds of training "
-             f"(sum of step times; process start-up excluded).", "",
-             "| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
+    for scenario, slowdown in (("steady", None), ("rank 1 slows to 1/4 half-way", f"1:{slowdown_step}:0.25")):
+        results = {}
+        strategies = {**STRATEGIES, **(WITHOUT_HANDOFF if slowdown else {})}
+        for number, (label, strategy) in enumerate(strategies.items()):
+            start = time.perf_counter()
+            result = run(strategy, steps, slowdown, work / f"{repeat}-{number}-{bool(slowdown)}")
+            # The first step's step_s holds its timed parts (--equal-steps 0) and the warm-up before them.
+            train_seconds = sum(s["step_s"] for s in result["steps"])
+            results[label] = (train_seconds, time.perf_counter() - start, result)
+        regime_start = slowdown_step if slowdown else None
+        ideal = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start)
+        equal_seconds = results["equal split"][0]
+        for label, (seconds, wall, result) in results.items():
+            own_ideal = ideal_seconds(result["steps"], regime_start)
+            rows.append({"repeat": repeat, "scenario": scenario, "strategy": label, "train_seconds": seconds,
+                         "wall_seconds_with_startup": wall, "own_ideal_seconds": own_ideal,
+                         "reduction_vs_equal": 1 - seconds / equal_seconds, "over_ideal": seconds / ideal - 1,
+                         "over_own_ideal": seconds / own_ideal - 1, "steps": result["steps"]})
+        rows.append({"repeat": repeat, "scenario": scenario,
+                     "strategy": "ideal bound (median throughputs, no communication)", "train_seconds": ideal,
+                     "reduction_vs_equal": 1 - ideal / equal_seconds, "over_ideal": 0.0, "over_own_ideal": None})
+        whole = ideal_seconds(results["hetcomm rebalancing"][2]["steps"], regime_start, whole_windows=True)
+        rows.append({"repeat": repeat, "scenario": scenario, "strategy": "ideal bound in whole windows (best integer "
+                     "split of the same throughputs, no communication)", "train_seconds": whole,
+                     "reduction_vs_equal": 1 - whole / equal_seconds, "over_ideal": whole / ideal - 1,
+                     "over_own_ideal": None})
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| scenario | strategy | seconds | reduction vs equal split | over the ideal bound | over its own run's "
              "ideal bound |", "|---|---|---|---|---|---|"]
     for r in rows:
         own = f"{100 * r['over_own_ideal']:+.1f}%" if r["over_own_ideal"] is not None else "-"
         lines.append(f"| {r['scenario']} | {r['strategy']} | {r['train_seconds']:.1f} | "
                      f"{100 * r['reduction_vs_equal']:.0f}% | {100 * r['over_ideal']:+.1f}% | {own} |")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=1, help="run the whole comparison this many times, one "
+                        "after another (the result set holds every repeat)")
+    parser.add_argument("--json", help="also write the results here, with every run's step log")
+    add_out_arguments(parser)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [row for repeat in range(args.repeats) for row in measure(args.steps, repeat, Path(tmp))]
+    tokens = args.steps * GLOBAL_BATCH * 128
+    lines = [f"SIMULATED cluster, measured {datetime.now(timezone.utc):%Y-%m-%d} on one {torch.get_num_threads()}-"
+             f"thread CPU machine: 4 Gloo workers, speed factors {simulated_speeds()} (relative 1 : 1 : 0.5 : 0.25, "
+             f"scaled to keep {CORE_SHARE:.0%} of the cores busy at most), GPT 2x192, {args.steps} steps of "
+             f"{GLOBAL_BATCH} windows x 128 tokens ({tokens} tokens), {args.repeats} repeat(s), torch "
+             f"{torch.__version__}. Seconds of training (sum of step times; process start-up excluded)."]
+    for repeat in range(args.repeats):
+        lines += ["", f"## Repeat {repeat + 1}", "", *table([r for r in rows if r["repeat"] == repeat])]
     text = "\n".join(lines)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.out:
-        write_results(args.out, "hetero_cluster", text, rows, run=args.run)
+        write_results(args.out, "hetero_cluster", text, rows)
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ busy (target: under a second).
 
     python benchmarks/bench_planner.py                       # ~5 minutes on 2 cores
     python benchmarks/bench_planner.py --steps 20 --json out.json
-    python benchmarks/bench_planner.py --out benchmarks/results     # planner_cpu_<date>.md/.json
+    python benchmarks/bench_planner.py --out benchmarks/results     # planner_cpu.md/.json
     python benchmarks/bench_planner.py --scale-only                 # the 10,000-GPU timing alone
 """
 
@@ -172,7 +172,7 @@ def main() -> int:
         Path(args.markdown).write_text(markdown(results, large, meta))
     if args.out:
         write_results(args.out, "planner", markdown(results, large, meta),
-                      {"meta": meta, "validation": results, "scale": large}, date=meta["date"], run=args.run)
+                      {"meta": meta, "validation": results, "scale": large})
     return 0
 
 

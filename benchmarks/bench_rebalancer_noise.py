@@ -16,7 +16,7 @@ seeds and draws beside the current one.
 
     python benchmarks/bench_rebalancer_noise.py               # ~8 minutes on 2 cores
     python benchmarks/bench_rebalancer_noise.py --seeds 10 --steps 40
-    python benchmarks/bench_rebalancer_noise.py --out benchmarks/results   # rebalancer_noise_cpu_<date>.md/.json
+    python benchmarks/bench_rebalancer_noise.py --out benchmarks/results   # rebalancer_noise_cpu.md/.json
     python benchmarks/bench_rebalancer_noise.py --steps 40 --common 0.03 --rank-warm-up 0 0.08 --baseline 6cfccb0
     python benchmarks/bench_rebalancer_noise.py --steps 40 --common 0.03 --throttle 0.05 --baseline HEAD
 """
@@ -153,7 +153,7 @@ def main():
         variant = "throttle" if max(args.throttle) != NO_THROTTLE else "warmup" if any(args.rank_warm_up) else \
             "common" if any(args.common) else None
         write_results(args.out, "rebalancer_noise", "\n".join(lines),
-                      {"seeds": args.seeds, "baseline": args.baseline, "rows": rows}, variant=variant, run=args.run)
+                      {"seeds": args.seeds, "baseline": args.baseline, "rows": rows}, variant=variant)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ must pass. A mutant that the tests do not kill is a hole in what CI proves about
 CUDA kernels; the script exits with 1 if there is one.
 
     python benchmarks/emulator_mutants.py                      # every mutant, table on stdout
-    python benchmarks/emulator_mutants.py --out benchmarks/results   # emulator_mutants_cpu_<date>.md/.json
+    python benchmarks/emulator_mutants.py --out benchmarks/results   # emulator_mutants_cpu.md/.json
     python benchmarks/emulator_mutants.py no_trailing_barrier  # some of them
 """
 
@@ -117,7 +117,7 @@ def cpu_model() -> str:
     return found[1] if found else platform.machine()
 
 
-def write_mutant_results(out_dir: str, run: int | None, meta: dict, rows: list[dict]) -> None:
+def write_mutant_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
     write_results(
         out_dir, "emulator_mutants",
         f"Emulator mutation check, {meta['date']}, {meta['cpus']}-core {meta['machine']}, torch {meta['torch']}: "
@@ -125,7 +125,7 @@ def write_mutant_results(out_dir: str, run: int | None, meta: dict, rows: list[d
         f"tests/{{{','.join(TEST_FILES)}}} "
         f"(stopping after {MAX_FAILURES} failures). Unmutated: {meta['baseline']} in "
         f"{meta['baseline_seconds']} s.\n\n{table(rows)}\n",
-        {**meta, "mutants": rows}, date=meta["date"], run=run)
+        {**meta, "mutants": rows})
 
 
 def main() -> int:
@@ -160,7 +160,7 @@ def main() -> int:
         meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": cpu_model(),
                 "cpus": os.cpu_count(), "torch": torch.__version__, "selection": SELECTION,
                 "baseline": baseline["summary"], "baseline_seconds": baseline["seconds"]}
-        write_mutant_results(args.out, args.run, meta, rows)
+        write_mutant_results(args.out, meta, rows)
     return 0 if all(row["killed"] for row in rows) else 1
 
 

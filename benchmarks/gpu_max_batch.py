@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(rows, gpu, stopped)
     print(text)
     if args.out:
-        write_results(args.out, "max_batch", text, rows, machine=gpu_tag(gpu), run=args.run)
+        write_results(args.out, "max_batch", text, rows, machine=gpu_tag(gpu))
     return 0
 
 

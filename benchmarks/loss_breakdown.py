@@ -13,8 +13,8 @@ add up to it:
   overhead       the step beyond the slowest rank's compute: the all-reduce, the update,
                  the balancer's collectives, and the first step's setup (also given apart).
 
-    python benchmarks/loss_breakdown.py benchmarks/results/hetero_bert_b128_cpu_2026-12-01.json
-    python benchmarks/loss_breakdown.py benchmarks/results/hetero_cluster_cpu_2026-12-02_run*.json
+    python benchmarks/loss_breakdown.py benchmarks/results/hetero_bert_b128_cpu.json
+    python benchmarks/loss_breakdown.py benchmarks/results/hetero_cluster_cpu.json
 """
 
 import argparse
@@ -57,7 +57,8 @@ def breakdown(steps_log: list[dict], slowdown_step: int | None) -> dict[str, flo
 
 
 def runs_of(path: Path, strategies: tuple[str, ...] = BALANCED) -> list[tuple[str, dict]]:
-    """(label, result row) for each run of `strategies` with a step log in a result file."""
+    """(label, result row) for each run of `strategies` with a step log in a result file;
+    a file of several repeats labels each run with its repeat."""
     rows = json.loads(path.read_text())
     return [(path.stem if "repeat" not in r else f"{path.stem} repeat {r['repeat'] + 1}", r) for r in rows
             if "steps" in r and r["strategy"].startswith(strategies)]

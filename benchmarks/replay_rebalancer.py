@@ -17,7 +17,7 @@ one is taken for any size), and the handoff (its steps are replayed at the split
 dealt). So it compares rebalancers; the run's own figure is given beside it ("as run",
 the split each rank ran) to show how far the replay of the code that ran strays from it.
 
-    python benchmarks/replay_rebalancer.py benchmarks/results/hetero_cluster_cpu_2026-12-02_run1*.json
+    python benchmarks/replay_rebalancer.py benchmarks/results/hetero_cluster_cpu.json
     python benchmarks/replay_rebalancer.py --baseline HEAD~3 benchmarks/results/hetero_bert_*.json
 """
 

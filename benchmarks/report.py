@@ -3,7 +3,7 @@ GB/s per provider (median time), the fused op's speed-up over the best unfused r
 and its share of same-run copy bandwidth.
 
     python benchmarks/report.py .benchmarks/ops_cpu.json
-    python benchmarks/report.py .benchmarks/ops_cpu.json --out benchmarks/results   # ops_cpu_<date>.md/.json
+    python benchmarks/report.py .benchmarks/ops_cpu.json --out benchmarks/results   # ops_cpu.md/.json
 """
 
 import argparse
@@ -59,7 +59,7 @@ def main():
     if args.out:
         with open(args.json_path) as f:
             data = json.load(f)
-        write_results(args.out, "ops_cpu", text, data, date=when[:10], run=args.run)
+        write_results(args.out, "ops_cpu", text, data)
 
 
 if __name__ == "__main__":

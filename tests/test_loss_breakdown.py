@@ -54,3 +54,13 @@ def test_the_warm_up_is_the_first_steps_time_over_their_bound(breakdown):
     parts = breakdown(log, None)
     assert parts["warm-up"] == pytest.approx(0.8 / 2.0)
     assert parts["over"] == pytest.approx((0.6 + 0.2 + 3 * 0.05) / 2.0)
+
+
+@pytest.mark.parametrize("name", ["hetero_cluster_cpu", "hetero_bert_b128_cpu"])
+def test_a_committed_set_gives_each_repeat_its_runs(name):
+    # A result set holds its repeats in one file (a "repeat" on every row): the breakdown, and
+    # replay_rebalancer.py through runs_of, take each repeat's runs as they took a file's.
+    runs_of = import_benchmark("loss_breakdown").runs_of
+    labels = [label for label, _ in runs_of(import_benchmark("result_files").RESULTS_DIR / f"{name}.json")]
+    assert sorted(set(labels)) == [f"{name} repeat {k}" for k in (1, 2, 3)]
+    assert labels.count(f"{name} repeat 1") == labels.count(f"{name} repeat 3") >= 4

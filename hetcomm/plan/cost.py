@@ -43,7 +43,7 @@ ACTIVATION_TRAFFIC = 3
 # Counted as three passes over the 5-9 bytes kept, the scores moved 15-27 bytes: the
 # cards with the most FLOP/s per byte of bandwidth (V100, RTX 8000, A100), whose eager
 # BERT steps are the most memory-bound, were predicted up to a third too fast beside
-# the others (benchmarks/results/cost_model_cpu_*: relative error mean 13.4% -> 12.0%).
+# the others (benchmarks/results/cost_model_cpu.md: relative error mean 13.4% -> 12.0%).
 SCORE_TRAFFIC_BYTES = {"fp32": 86, "fp16": 86, "bf16": 86, "o2": 44}
 # Sustained clock under a training load, as a share of the boost clock the peak figures
 # assume, for cards whose power cap holds them below it. T4 (70 W): a sustained 4096³
