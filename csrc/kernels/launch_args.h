@@ -30,9 +30,15 @@ constexpr int kMaxSegments = 160;
 
 // Longer tensors are split into several segments, so that element counts and chunk
 // indices fit in 32 bits. A multiple of kChunk, so that every piece keeps the
-// alignment of the tensor it comes from.
-constexpr long long kMaxSegmentNumel = 1LL << 30;
+// alignment of the tensor it comes from. The CPU emulator builds one GPU with far
+// shorter segments (HETCOMM_MAX_SEGMENT_NUMEL), so that its tests take the split with
+// tensors of thousands of elements rather than 2^30.
+#ifndef HETCOMM_MAX_SEGMENT_NUMEL
+#define HETCOMM_MAX_SEGMENT_NUMEL (1LL << 30)
+#endif
+constexpr long long kMaxSegmentNumel = HETCOMM_MAX_SEGMENT_NUMEL;
 static_assert(kMaxSegmentNumel % kChunk == 0, "segment pieces must start on a chunk boundary");
+static_assert(kMaxSegmentNumel <= (1LL << 30), "a segment's element counts and chunk indices fit in 32 bits");
 
 enum class Work : int {
   kScaleCast,                  // pack, cast_ (scale 1)

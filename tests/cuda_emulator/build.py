@@ -32,13 +32,16 @@ class Device:
     sm_count: int          # tiny, so that grids are small and blocks stride over many chunks
     max_threads_per_sm: int
     resident_blocks: int   # the occupancy answer, which may cap the launch shape's blocks per SM
+    max_segment_numel: int = 1 << 30   # kMaxSegmentNumel: the longest piece of a tensor in one table entry
 
 
 # Launch shapes (csrc/cuda/launch_shape.cu): sm_61 {8 blocks/SM, 2 items}, software bf16
 # rounding; sm_75 {4, 4 items}, software bf16 rounding; sm_80 {8, 2} capped at 5 resident
-# blocks, the cvt.rn.bf16.f32 path.
+# blocks, the cvt.rn.bf16.f32 path. sm_61 splits tensors into segments of 2^20
+# elements, so that a tensor of a few million elements takes the path that real builds
+# take past 2^30 (test_cuda_ops.test_tensor_longer_than_one_segment).
 DEVICES = {
-    "sm61": Device(610, 1, 2048, 8),
+    "sm61": Device(610, 1, 2048, 8, max_segment_numel=1 << 20),
     "sm75": Device(750, 2, 1024, 4),
     "sm80": Device(800, 3, 2048, 5),
 }
@@ -83,7 +86,8 @@ def device_units(src: Path, name: str, device: Device) -> dict[str, list[str]]:
     major, minor = divmod(device.arch // 10, 10)
     defines = [f"-DHETEMU_ARCH={device.arch}", f"-DHETEMU_CC_MAJOR={major}", f"-DHETEMU_CC_MINOR={minor}",
                f"-DHETEMU_SM_COUNT={device.sm_count}", f"-DHETEMU_MAX_THREADS_PER_SM={device.max_threads_per_sm}",
-               f"-DHETEMU_RESIDENT_BLOCKS={device.resident_blocks}"]
+               f"-DHETEMU_RESIDENT_BLOCKS={device.resident_blocks}",
+               f"-DHETCOMM_MAX_SEGMENT_NUMEL={device.max_segment_numel}LL"]
     return {
         f"{name}/multi_tensor_cuda.o": defines + ["-x", "c++", "-include", "hetemu/kernel_prelude.h",
                                                  str(src / "cuda" / "multi_tensor_cuda.cu")],
