@@ -266,7 +266,7 @@ def test_a_stalled_rank_is_reported_within_the_timeout(tmp_path, capsys):
                      *TRAIN, "--timeout", "4", "--slowdown", "1:1:0.0001"])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "not every rank answered within 4 s" in err and "Traceback" not in err
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 30   # 4 s, not 4 + the 30 s torch waits for a SIGTERM
 
 
 def test_a_finished_run_is_started_over_and_other_settings_are_refused(crashed_run, tmp_path, capsys):

@@ -17,6 +17,11 @@ import torch.multiprocessing as mp
 from hetcomm.loop.host_memory import keep_freed_memory
 
 DEFAULT_CPU_RANKS = 4
+# Once a rank has failed, how long the others get to end on their own, and then to
+# answer SIGTERM, before SIGKILL. torch's own wait for SIGTERM is 30 s: a rank that
+# stalled (or that the trainer's SIGTERM handler keeps until its step ends, which a
+# stalled step never does) delayed the report of the failure by that long.
+STOP_GRACE_S = 3.0
 
 
 class RankFailed(RuntimeError):
@@ -138,9 +143,11 @@ def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | Non
     failures = mp.get_context("spawn").SimpleQueue()
     try:
         with _quiet_spawn_log():
-            mp.start_processes(_rank_main, args=(world, main, args, use_cuda, f"tcp://127.0.0.1:{free_port()}",
-                                                 timeout, debug, failures),
-                               nprocs=world, join=True, start_method="spawn")
+            ranks = mp.start_processes(_rank_main, args=(world, main, args, use_cuda,
+                                                         f"tcp://127.0.0.1:{free_port()}", timeout, debug, failures),
+                                       nprocs=world, join=False, start_method="spawn")
+            while not ranks.join(grace_period=STOP_GRACE_S):
+                pass
     except mp.ProcessExitedException as exited:
         raise _first_failure(failures, exited) from None
     finally:
