@@ -5,6 +5,7 @@ on bit for bit; a throttled rank is rebalanced; the scripts run from the command
 and, without transformers, say what to install."""
 
 import copy
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks, values
+from test_docs_commands import ROOT, blocks_of
 
 from hetcomm.balance import WeightedDistributedSampler
 
@@ -127,14 +129,6 @@ def test_a_throttled_bert_rank_is_rebalanced_and_trains_as_one_process(tmp_path)
     assert farthest(weights, expected) < 5e-5
 
 
-@pytest.mark.slow
-def test_the_gpt2_example_runs_from_the_command_line():
-    run = subprocess.run([sys.executable, str(EXAMPLES / "hf_gpt2.py"), "--nproc", "2", "--seq", "32", "--steps", "2",
-                          "--global-batch", "8"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert [line.split()[1] for line in run.stdout.splitlines() if line.startswith("step")] == ["0", "1"]
-
-
 def test_the_examples_say_what_to_install_without_transformers():
     for script in ("hf_bert_mlm.py", "hf_gpt2.py"):
         run = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['transformers'] = None; "
@@ -144,11 +138,25 @@ def test_the_examples_say_what_to_install_without_transformers():
         assert run.returncode == 1 and "pip install 'hetcomm[hf]'" in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.slow
-def test_the_plain_pytorch_example_runs_and_learns():
-    run = subprocess.run([sys.executable, str(EXAMPLES / "plain_pytorch.py")], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    losses = [float(line.split("loss ")[1].split(",")[0]) for line in run.stdout.splitlines()]
-    assert len(losses) == 4 and losses[-1] < losses[0] / 2
+def documented_example_commands() -> list[str]:
+    """The commands of docs/guide.md's block that runs the examples (marked not run there:
+    this test runs them, as printed)."""
+    block = next(b for b in blocks_of(ROOT / "docs" / "guide.md") if "python examples/plain_pytorch.py" in b.code)
+    return [line for line in block.code.splitlines() if line.strip()]
+
+
+def test_the_documented_example_commands_run_and_learn():
+    commands = documented_example_commands()
+    assert [shlex.split(c)[1] for c in commands] == ["examples/plain_pytorch.py", "examples/hf_bert_mlm.py",
+                                                      "examples/hf_gpt2.py"]
+    for command in commands:
+        argv = [sys.executable, *shlex.split(command)[1:]]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert run.returncode == 0, f"{command}\n{run.stderr[-3000:]}"
+        if "plain_pytorch" in command:
+            losses = [float(line.split("loss ")[1].split(",")[0]) for line in run.stdout.splitlines()]
+            assert len(losses) == 4 and losses[-1] < losses[0] / 2, run.stdout
+        else:   # --steps 3: a line for each step
+            steps = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("step")]
+            assert steps == ["0", "1", "2"], run.stdout
     assert len((EXAMPLES / "plain_pytorch.py").read_text().splitlines()) <= 60
