@@ -38,7 +38,6 @@ def optimal_step_time(speeds):
     return solve_split(GLOBAL_BATCH, [(0.0, 1.0 / s) for s in speeds]).step_time
 
 
-@pytest.mark.slow
 def test_noise_alone_seldom_moves_the_split():
     # 10 runs of 400 steps at the best split, 10% noise on every time: the noise margin
     # lets a few changes through (4 here; 120, costing 1.25%, without it), and they cost
@@ -148,7 +147,6 @@ def test_adopts_right_after_a_sustained_slowdown():
     assert true_step_time(BALANCED, slowed) > 1.5 * optimal_step_time(slowed)
 
 
-@pytest.mark.slow
 def test_a_trial_measured_off_is_not_held_after_the_shift():
     # Rank 1 throttles to a quarter at step 15 of 30 (training settings, 220 samples a
     # step, 3% noise of each rank's own and 3% shared). The step it throttles in is
@@ -403,7 +401,6 @@ def test_a_noisy_rank_whose_share_stays_does_not_hold_a_move_back():
         assert next(step for step, d in enumerate(decisions) if d.changed) < 30
 
 
-@pytest.mark.slow
 def test_noise_every_rank_shares_does_not_hold_a_rough_first_split():
     # Two equal ranks split 39/32 by a noisy first timing (as one benchmark run's first
     # step did), then 40 steps with 3% noise of each rank's own and 3% that all share, the
@@ -447,7 +444,6 @@ def test_a_first_split_from_a_timing_is_reviewed_once_at_the_threshold(resume_at
     assert [d.required_gain > THRESHOLD for d in decisions[:2]] == [True, True]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("noise", [0.02, 0.04, 0.10])
 def test_the_review_of_a_first_split_from_a_noisy_timing_pays(noise):
     # The benchmark's cluster, its first split dealt by one timing with the noise of a

@@ -75,7 +75,6 @@ def farthest(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-@pytest.mark.slow
 def test_bert_masked_lm_on_an_unequal_split_equals_one_process_weighted_by_masked_tokens(tmp_path):
     args = arguments(hf_bert_mlm)
     ranks = values(run_ranks(4, in_loop, "bert", args, SPLIT, tmp_path=tmp_path))
@@ -88,7 +87,6 @@ def test_bert_masked_lm_on_an_unequal_split_equals_one_process_weighted_by_maske
     assert farthest(ranks[0][1], by_samples) > 1e-4
 
 
-@pytest.mark.slow
 def test_gpt2_on_an_unequal_split_equals_one_process(tmp_path):
     args = arguments(hf_gpt2)
     ranks = values(run_ranks(4, in_loop, "gpt2", args, SPLIT, tmp_path=tmp_path))
@@ -110,7 +108,6 @@ def interrupted(rank, world, args, split):
     return losses + more, [p.detach().clone() for p in resumed.parameters()]
 
 
-@pytest.mark.slow
 def test_a_resumed_gpt2_run_continues_bit_for_bit(tmp_path):
     args = arguments(hf_gpt2, "--steps", "4")
     straight_losses, straight, _ = values(run_ranks(2, in_loop, "gpt2", args, [5, 11], tmp_path=tmp_path))[0]
@@ -119,7 +116,6 @@ def test_a_resumed_gpt2_run_continues_bit_for_bit(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
 
 
-@pytest.mark.slow
 def test_a_throttled_bert_rank_is_rebalanced_and_trains_as_one_process(tmp_path):
     args = arguments(hf_bert_mlm, "--steps", "8", "--speeds", "0.2,0.2", "--slowdown", "1:4:0.1")
     losses, weights, split = values(run_ranks(2, in_loop, "bert", args, None, tmp_path=tmp_path))[0]

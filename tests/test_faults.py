@@ -84,7 +84,6 @@ def finish(job: subprocess.Popen) -> str:
     return err
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
 def test_a_torchrun_job_with_a_worker_killed_twice_ends_as_an_uninterrupted_run(tmp_path):
     straight = tmp_path / "straight"
@@ -102,7 +101,6 @@ def test_a_torchrun_job_with_a_worker_killed_twice_ends_as_an_uninterrupted_run(
     assert all(torch.equal(t, expected[name]) for name, t in final_weights(out).items())
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
 def test_sigterm_stops_every_rank_after_one_step_and_the_same_command_resumes(tmp_path):
     straight = tmp_path / "straight"
@@ -258,7 +256,6 @@ def test_a_rerun_resumes_cuts_the_log_and_removes_stale_temporaries(crashed_run,
     assert not list(copy.glob(".checkpoint-*.tmp"))
 
 
-@pytest.mark.slow
 def test_a_stalled_rank_is_reported_within_the_timeout(tmp_path, capsys):
     start = time.monotonic()
     with pytest.raises(SystemExit) as stop:

@@ -140,7 +140,6 @@ def train_counting_early_buckets(rank, world, steps, overlap):
     return early, len(loop.reducer.buckets), [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.slow
 def test_overlap_sends_buckets_during_the_last_backward_and_trains_the_same(tmp_path):
     expected = one_process(4)[1]
     for overlap in (True, False):
@@ -163,7 +162,6 @@ def test_memory_caps_become_accumulation_with_the_same_gradient(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_a_resumed_loop_continues_bit_for_bit(tmp_path):
     options = {"split": [6, 10]}
     straight_losses, straight, _ = values(run_ranks(2, train_in_loop, 6, options, tmp_path=tmp_path))[0]

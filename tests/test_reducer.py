@@ -420,7 +420,6 @@ def absent_rank(rank, world):
     return "returned"
 
 
-@pytest.mark.slow
 def test_missing_rank_times_out_clearly(tmp_path):
     results = values(run_ranks(2, absent_rank, tmp_path=tmp_path))
     kind, waited, message = results[0]

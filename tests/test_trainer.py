@@ -39,7 +39,6 @@ def train(rank, world, config):
     return losses(config.out) if rank == 0 else None
 
 
-@pytest.mark.slow
 def test_unequal_split_trains_like_the_equal_split(tmp_path):
     equal = values(run_ranks(2, train, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path))[0]
@@ -64,7 +63,6 @@ def train_with_probed_caps(rank, world, config, probed):
     return caps, losses(config.out) if rank == 0 else None
 
 
-@pytest.mark.slow
 def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
     plain = values(run_ranks(2, train, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "plain")),
                              tmp_path=tmp_path))[0]
@@ -80,7 +78,6 @@ def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
         assert result["type"] == "ValueError" and "rank 1 cannot hold one sample" in result["message"]
 
 
-@pytest.mark.slow
 def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     # Both ranks slowed well below 1: a simulated rank's compute is stretched to its CPU
     # time over its speed, unless its wall time was longer already (a millisecond-long
@@ -99,7 +96,6 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
-@pytest.mark.slow
 def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path):
     config = tiny_config(tmp_path, speeds="0.2,0.04", equal_steps=0, steps=2, global_batch=2)
     values(run_ranks(2, train, config, tmp_path=tmp_path))
@@ -110,7 +106,6 @@ def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path)
     torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
 
 
-@pytest.mark.slow
 def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(tmp_path):
     # Rank 1 runs at a tenth of its speed from step 7 (five balanced steps have timed its
     # forward, three of which it needs even if a hiccup made one a handoff): after timing
@@ -137,7 +132,6 @@ def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(t
     assert waited["handoff"] is None and waited["samples"] == waited["micro_batch"]
 
 
-@pytest.mark.slow
 def test_an_epoch_s_smaller_last_step_is_the_mean_over_its_windows(tmp_path):
     # 20 windows of 16 tokens, 8 a step: steps of 8, 8 and 4 windows, then the next epoch.
     corpus = tmp_path / "small.txt"
@@ -159,7 +153,6 @@ def train_and_keep_weights(rank, world, config):
     return (losses(config.out) if rank == 0 else None), masters, weights
 
 
-@pytest.mark.slow
 def test_sixteen_bit_weights_with_fp32_masters(tmp_path):
     """--precision bf16 on CPU runs the path 16-bit GPUs take: bf16 weights, fp32 masters
     that the reducer unpacks into and AdamW updates, one fused cast back per step. It
@@ -297,7 +290,6 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, capsys):
     assert (out / "steps.jsonl").read_text() == "kept\n"  # nothing overwritten
 
 
-@pytest.mark.slow
 def test_command_line_run_and_report(tmp_path):
     """The real command: spawns 2 simulated workers, prints the comparison, then plots."""
     (tmp_path / "corpus.txt").write_bytes(TEXT)
