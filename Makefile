@@ -7,11 +7,14 @@
 # mixed cluster), make bench (CPU benchmarks and their table), make info, make clean.
 #
 # TORCH picks the torch build, e.g. make test TORCH=torch==2.13.0 (CPU-only wheel).
+# WORKERS: the test processes of make test (pytest-xdist; 2 suits a 2-core machine, as the
+# distributed tests start 2-4 ranks each; WORKERS=0 runs in this process).
 # HETCOMM_CUDA=1 makes the build fail rather than fall back to CPU-only (see setup.py).
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch
+WORKERS ?= 2
 # The same pin as the `test` extra in pyproject.toml.
 RUFF ?= ruff==0.17.6
 PY := $(VENV)/bin/python
@@ -37,7 +40,7 @@ plan: $(STAMP)
 	$(VENV)/bin/hetcomm plan --cluster "2x1080ti,1xv100,4xt4" --net 10gbe --model gpt2-124m --global-batch 512 --seq 1024
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(WORKERS) tests
 
 lint:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
