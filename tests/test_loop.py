@@ -335,14 +335,17 @@ def misuse(rank, world, how):
     if how == "different weights" and rank == 1:
         with torch.no_grad():
             model.mix.bias.add_(1e-3)
-    data = MaskedTokens(8 if how == "short dataset" else SAMPLES)
+    data = MaskedTokens(8 if how == "short dataset" else SAMPLES - 8 * rank if how == "datasets of two lengths"
+                        else SAMPLES)
 
     def cut_short(samples):
         return torch.utils.data.default_collate(samples[:-1] if len(samples) > 1 else samples * 2)
 
-    loop = BalancedLoop(model, data, global_batch=GLOBAL_BATCH, wire_dtype=torch.float32, split=[8, 8],
+    batch = GLOBAL_BATCH + 2 * rank if how == "global batches of two sizes" else GLOBAL_BATCH
+    loop = BalancedLoop(model, data, global_batch=batch, wire_dtype=torch.float32,
+                        split=None if batch != GLOBAL_BATCH else [8, 8],
                         collate_fn=cut_short if how == "collate drops a sample" else None)
-    for step in loop.steps(1):
+    for step in loop.steps(1 + rank if how == "steps of two counts" else 1):
         for batch in step:
             if how == "no backward":
                 continue
@@ -359,6 +362,9 @@ def misuse(rank, world, how):
     ("different weights", "ValueError", "parameter 'mix.bias' holds different values on different ranks"),
     ("no backward", "RuntimeError", "step.backward(loss) was not called for a micro-batch"),
     ("negative count", "ValueError", "count = -1: expected a finite, non-negative number"),
+    ("datasets of two lengths", "ValueError", "len(dataset) differs between ranks (rank 0: 96, rank 1: 88)"),
+    ("global batches of two sizes", "ValueError", "global_batch differs between ranks (rank 0: 16, rank 1: 18)"),
+    ("steps of two counts", "ValueError", "BalancedLoop.steps: total differs between ranks (rank 0: 1, rank 1: 2)"),
 ])
 def test_bad_use_is_one_clear_error_on_every_rank(tmp_path, how, error, message):
     for result in run_ranks(2, misuse, how, tmp_path=tmp_path, group_timeout_s=20):

@@ -24,6 +24,20 @@ def agree_precision(device: torch.device, requested: str = "auto", group=None) -
     return mine
 
 
+def check_same_values(values: dict[str, object], who: str, group=None) -> None:
+    """Raises the same ValueError on every rank, naming each rank's value, unless every
+    rank passed equal `values` (name -> value): ranks that differ in one of them would deal
+    samples from different permutations (some dropped, some repeated, with no error) or
+    wait in a collective the others never make, until the timeout."""
+    everyone: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, values, group=group)
+    for name in values:
+        seen = [theirs[name] for theirs in everyone]
+        if any(value != seen[0] for value in seen):
+            listed = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(seen))
+            raise ValueError(f"{who}: {name} differs between ranks ({listed}); every rank must pass the same")
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -18,7 +18,7 @@ from hetcomm.balance.handoff import ForwardShare
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import gather_floats
-from hetcomm.loop.agreement import agree_precision, check_same_parameters
+from hetcomm.loop.agreement import agree_precision, check_same_parameters, check_same_values
 from hetcomm.loop.batches import load_batch
 from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
 
@@ -106,6 +106,7 @@ class BalancedLoop:
         self.collate_fn = collate_fn or default_collate
         self.global_batch = global_batch
         self.balance, self.equal_steps, self.items_per_sample = balance, equal_steps, items_per_sample
+        check_same_values({"global_batch": global_batch, "len(dataset)": len(dataset), "seed": seed}, "BalancedLoop")
         check_same_parameters(model)
         self.precision = precision if precision != "auto" else agree_precision(self.device, "auto")
         if precision != "auto":
@@ -162,6 +163,7 @@ class BalancedLoop:
         early, on every rank after the same step, once a rank has called request_stop()."""
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"BalancedLoop.steps: total = {total!r}: expected a non-negative number of steps")
+        check_same_values({"total": total}, "BalancedLoop.steps")
         while self.step < total and not self.stop_agreed:
             step = LoopStep(self)
             yield step
