@@ -60,6 +60,7 @@ NOT_FINITE = [(option, value) for option in ("--lr", "--min-lr", "--weight-decay
 @pytest.mark.parametrize("arguments, message", [
     # data
     (["--data", "{tmp}/missing.txt"], "missing.txt: no such file"),
+    (["--data", "{tmp}"], ": a directory; expected a file (text, or a .bin of uint16 tokens)"),
     (["--data", "{tmp}/empty.txt"], "empty.txt: the file is empty"),
     (["--data", "{tmp}/odd.bin"], "odd.bin: a .bin file must hold uint16 tokens (an even number of bytes)"),
     (["--data", "{tmp}/tiny.txt"], "the data has 10 tokens: too few for one window of 17"),
@@ -109,6 +110,14 @@ def test_an_unwritable_out_is_refused(files, monkeypatch, capsys):
     finally:
         (files / "locked").chmod(0o755)
     assert "locked/run: " in err and "locked is not writable" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_where_nothing_can_be_created_is_refused(files, capsys):
+    # os.access lets root write into /proc; creating anything there fails (rank 0 failed
+    # on it 12 s into the run, after the launcher's checks had passed).
+    err = train_refused(files, ["--out", "/proc/hetcomm-run"], capsys)
+    assert "--out /proc/hetcomm-run: nothing can be created in /proc" in err
 
 
 def run_dir(root: Path, records: list) -> Path:

@@ -4,6 +4,7 @@ before any process starts, so that bad input is one clear message and nothing ru
 import argparse
 import math
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -237,8 +238,10 @@ def check_data(config: TrainConfig) -> None:
 
 
 def check_out(out: str) -> None:
-    """--out must be a directory this process can create or write into. Checked with
-    os.access on the nearest existing directory, so that nothing is left behind."""
+    """--out must be a directory this process can create or write into: checked with
+    os.access on the nearest existing directory, then by creating and removing a
+    directory there, which nothing but trying tells (a read-only mount, /proc), so that
+    nothing is left behind and no rank fails on it later."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
@@ -247,6 +250,10 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out}: {existing} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".hetcomm-out-check-"))
+    except OSError as error:
+        raise ValueError(f"--out {out}: nothing can be created in {existing} ({error.strerror})") from None
 
 
 def config_device_is_cpu(config: TrainConfig) -> bool:

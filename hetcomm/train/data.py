@@ -44,6 +44,8 @@ def load_tokens(path: str | Path) -> tuple[np.ndarray, str]:
     """A read-only memory map of a .bin file of uint16 token ids (as nanoGPT's prepare
     scripts write), or of any other file as UTF-8/bytes text tokenised byte by byte."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"--data {path}: a directory; expected a file (text, or a .bin of uint16 tokens)")
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
     size = path.stat().st_size
