@@ -169,6 +169,7 @@ DAMAGE = {
     "an empty file": lambda p: p.write_bytes(b""),
     "a truncated file": lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 3]),
     "a tensor edited and saved again": lambda p: edited(p),
+    "a value that is not a tensor edited and saved again": lambda p: edited_value(p),
 }
 
 
@@ -177,6 +178,14 @@ def edited(path: Path) -> None:
     records' CRCs right) whose digests no longer hold."""
     state = torch.load(path, weights_only=True)
     state["model"]["wte.weight"][0, 0] += 1
+    torch.save(state, path)
+
+
+def edited_value(path: Path) -> None:
+    """The same with the loop's step moved on by one: a change that no tensor digest
+    covers, after which a resumed run would deal its samples from the wrong step."""
+    state = torch.load(path, weights_only=True)
+    state["loop"]["step"] += 1
     torch.save(state, path)
 
 
@@ -237,9 +246,48 @@ def test_a_checkpoint_at_a_negative_step_is_refused(crashed_run, tmp_path):
     shutil.copy(crashed_run[0] / path.name, path)
     state = torch.load(path, weights_only=True)
     state["step"] = -5
-    torch.save(state, path)   # its tensors unchanged: the digests still hold
+    state["digests"] = checkpoint.digests({k: v for k, v in state.items() if k not in ("format", "digests")})
+    torch.save(state, path)   # with its digests recomputed: they hold
     with pytest.raises(checkpoint.CheckpointError, match="step -5 is not a non-negative integer"):
         checkpoint.load(path, {})
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s["loop"]["sampler"].update(position=6),   # the next sample dealt
+    lambda s: s["loop"].update(scale=1.0),               # a float's last bits
+    lambda s: s["loop"].update(overflowed=1),            # a bool read back as an int
+    lambda s: s["loop"].update(split=(3, 5)),            # a list read back as a tuple
+    lambda s: s.update(step=3),                          # the step
+], ids=["sampler position", "float scale", "bool as int", "list as tuple", "step"])
+def test_a_value_that_is_not_a_tensor_edited_is_refused_when_read(tmp_path, edit):
+    state = {"run": {"seed": 0}, "model": {"w": torch.ones(3)},
+             "loop": {"sampler": {"position": 5}, "scale": 1.0 + 2**-52, "overflowed": True, "split": [3, 5]}}
+    path = checkpoint.save(tmp_path, 4, state)
+    assert checkpoint.load(path, {"seed": 0})["loop"] == state["loop"]
+    saved = torch.load(path, weights_only=True)
+    edit(saved)
+    torch.save(saved, path)
+    with pytest.raises(checkpoint.CheckpointError, match="values that are not tensors .* do not hold what was"):
+        checkpoint.load(path, {"seed": 0})
+
+
+def test_a_checkpoint_of_the_previous_format_is_read_with_its_tensors_verified(tmp_path):
+    """Format 3 (the previous release) has digests of the tensors only: a run it wrote resumes,
+    and a damaged tensor in it is still found."""
+    state = {"run": {"seed": 0}, "model": {"w": torch.arange(3.0)}, "loop": {"scale": 8.0}}
+    path = checkpoint.save(tmp_path, 4, state)
+    previous = torch.load(path, weights_only=True)
+    previous["format"] = 3
+    previous["digests"] = {name: digest for name, digest in previous["digests"].items()
+                           if name != checkpoint.NON_TENSORS}
+    torch.save(previous, path)
+    loaded = checkpoint.load(path, {"seed": 0})
+    assert loaded["step"] == 4 and loaded["loop"] == {"scale": 8.0} and torch.equal(loaded["model"]["w"],
+                                                                                      torch.arange(3.0))
+    previous["model"]["w"][1] = 5.0
+    torch.save(previous, path)
+    with pytest.raises(checkpoint.CheckpointError, match="tensor model/w does not hold what was written"):
+        checkpoint.load(path, {"seed": 0})
 
 
 def test_a_rerun_resumes_cuts_the_log_and_removes_stale_temporaries(crashed_run, tmp_path):

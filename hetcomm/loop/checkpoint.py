@@ -5,9 +5,10 @@ A run directory holds its last `keep` checkpoints, checkpoint-<step>.pt. Each is
 written to a temporary file in the same directory, flushed to disk, then renamed: a
 reader sees a whole checkpoint or none (a kill during the write leaves a temporary
 file, removed when the next run starts there). Each carries a SHA-256 digest of every
-tensor it holds, so a flipped byte, a truncated file or a hand-edited tensor is found
-when it is read, not after training from it. Read with torch.load(weights_only=True):
-a checkpoint cannot run code."""
+tensor it holds and one of everything else (the step, the sampler's position, the split,
+the loss scale, the rebalancer's state), so a flipped byte, a truncated file or a
+hand-edited value is found when it is read, not after training from it. Read with
+torch.load(weights_only=True): a checkpoint cannot run code."""
 
 import hashlib
 import os
@@ -17,8 +18,12 @@ from pathlib import Path
 
 import torch
 
-# 3: one file per step, with the digest of every tensor.
-FORMAT = 3
+# 3: one file per step, with the digest of every tensor. 4: and of the rest (NON_TENSORS).
+FORMAT = 4
+# A run written by the previous release resumes: its tensors are verified as before.
+READABLE = (3, FORMAT)
+# The digests' key for everything in a checkpoint that is not a tensor.
+NON_TENSORS = "(the values that are not tensors)"
 NAME = re.compile(r"checkpoint-(\d+)\.pt")
 TEMPORARY_PREFIX = ".checkpoint-"
 
@@ -43,14 +48,29 @@ def _tensors(value, prefix: str = ""):
             yield from _tensors(item, f"{prefix}/{index}")
 
 
+def _skeleton(value):
+    """`value` with every tensor replaced by a mark: what the tensors' digests leave out.
+    Sequences keep their type, so that a tuple edited into a list differs too."""
+    if isinstance(value, torch.Tensor):
+        return "<tensor>"
+    if isinstance(value, dict):
+        return [(repr(key), _skeleton(value[key])) for key in sorted(value, key=repr)]
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_skeleton(item) for item in value])
+    return value
+
+
 def digests(state: dict) -> dict[str, str]:
-    """The SHA-256 of every tensor's dtype, shape and bytes, by its path in `state`."""
+    """The SHA-256 of every tensor's dtype, shape and bytes, by its path in `state`, and
+    under NON_TENSORS that of the repr of everything else (exact for the numbers, strings,
+    booleans and None that torch.load(weights_only=True) gives back)."""
     found = {}
     for path, tensor in _tensors(state):
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
         digest.update(data.tobytes())
         found[path] = digest.hexdigest()
+    found[NON_TENSORS] = hashlib.sha256(repr(_skeleton(state)).encode()).hexdigest()
     return found
 
 
@@ -63,7 +83,8 @@ def save(directory: Path, step: int, state: dict, keep: int = 3) -> Path:
     descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX, suffix=".tmp")
     try:
         with os.fdopen(descriptor, "wb") as f:
-            torch.save({"format": FORMAT, "step": step, **state, "digests": digests(state)}, f)
+            content = {"step": step, **state}
+            torch.save({"format": FORMAT, **content, "digests": digests(content)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -105,16 +126,23 @@ def load(path: Path, expected: dict, finite: tuple[str, ...] = ("model",)) -> di
     except Exception as error:  # any unpickling or format error means the file cannot be trusted
         first = (str(error).splitlines() or [""])[0][:200]
         raise CheckpointError(f"{path}: not a readable hetcomm checkpoint ({type(error).__name__}: {first})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "run" not in state or "digests" not in state:
-        raise CheckpointError(f"{path}: not a hetcomm checkpoint of format {FORMAT}")
+    if not isinstance(state, dict) or state.get("format") not in READABLE or "run" not in state \
+            or "digests" not in state:
+        raise CheckpointError(f"{path}: not a hetcomm checkpoint of format {' or '.join(map(str, READABLE))}")
     differences = [f"{key}: checkpoint has {state['run'].get(key)!r}, this run {value!r}"
                    for key, value in expected.items() if state["run"].get(key) != value]
     if differences:
         raise CheckpointError(f"{path}: the checkpoint belongs to another run configuration; " + "; ".join(differences))
     written = state.pop("digests")
-    found = digests({k: v for k, v in state.items() if k not in ("format", "step")})
+    found = digests({k: v for k, v in state.items() if k != "format"})
+    if state["format"] == 3:   # its digests cover the tensors only
+        found = {name: digest for name, digest in found.items() if name != NON_TENSORS}
     for name in sorted(set(written) | set(found)):
         if written.get(name) != found.get(name):
+            if name == NON_TENSORS:
+                raise CheckpointError(f"{path}: its values that are not tensors (the step, the sampler's position, "
+                                      f"the split, the loss scale, ...) do not hold what was written (damaged or "
+                                      f"edited)")
             what = "is missing" if name not in found else "was not written" if name not in written else \
                 "does not hold what was written (damaged or edited)"
             raise CheckpointError(f"{path}: tensor {name} {what}")
