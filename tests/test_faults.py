@@ -216,6 +216,34 @@ def test_only_damaged_checkpoints_stop_with_one_line_and_touch_nothing(crashed_r
     assert digest_of(copy) == before
 
 
+DATA_CHANGES = {
+    "regenerated: the same size, other content": lambda text: text.replace(b"greet", b"gReet"),
+    "cut by a few bytes: the same window count": lambda text: text[:-((len(text) - 1) % 16)],
+}
+
+
+@pytest.mark.parametrize("change", DATA_CHANGES)
+def test_a_resume_on_changed_data_is_refused_naming_the_file(crashed_run, tmp_path, change, capsys):
+    out, _ = crashed_run
+    copy, data = tmp_path / "out", tmp_path / "corpus.txt"
+    shutil.copytree(out, copy)
+    changed = DATA_CHANGES[change](TEXT)
+    assert changed != TEXT and (len(changed) - 1) // 16 == (len(TEXT) - 1) // 16   # the window count cannot tell
+    data.write_bytes(changed)
+    base = ["--nproc", "2", "--steps", "6", "--data", str(data), "--out", str(copy), *TRAIN]
+    before = digest_of(copy)
+    for resume in ([], ["--resume", str(copy / "checkpoint-00000002.pt")]):
+        with pytest.raises(SystemExit) as stop:
+            launch.main([*base, *resume])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"--data {data}: its content is not what" in err, err
+        assert "--data-changed" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert digest_of(copy) == before
+    config = from_args(parser().parse_args([*base, "--data-changed"]))   # changed on purpose
+    launch._check_resume(config, 2)
+    assert config.resume == str(copy / "checkpoint-00000004.pt")
+
+
 BAD_RESUMES = {
     "NaN weights": (lambda s: s["model"]["wte.weight"].fill_(float("nan")), "holds inf or NaN values"),
     "no optimizer": (lambda s: s.pop("optimizer"), "holds no optimizer state"),

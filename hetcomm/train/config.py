@@ -60,6 +60,8 @@ class TrainConfig:
     out: str = "runs/latest"
     resume: str | None = None     # a checkpoint; without one, the newest valid one in --out is resumed
     fresh: bool = False           # start over in --out, removing its checkpoints
+    data_changed: bool = False    # resume although --data's content differs from the checkpoint's
+    data_fingerprint: dict | None = None   # not an option: --data's, set by the launcher (train.data_fingerprint)
     checkpoint_every: int = 0
     keep: int = 3                 # checkpoints kept in --out
     timeout: float = 600.0        # seconds a collective may wait for a rank before the run stops
@@ -141,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
                                         "the same run in --out, when the run there is unfinished: a restarted job "
                                         "goes on where it stopped)")
     files.add_argument("--fresh", action="store_true", help="start over in --out: remove its checkpoints first")
+    files.add_argument("--data-changed", action="store_true",
+                       help="resume although --data's content is not what the checkpoint was trained on (it was "
+                            "regenerated or edited on purpose); without it such a resume is refused")
     files.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept in --out (default %(default)s)")
     files.add_argument("--timeout", type=float, default=d.timeout,
                        help="seconds to wait for a stalled or lost rank in any collective before stopping every "

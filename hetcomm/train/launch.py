@@ -12,6 +12,7 @@ import torch
 
 from hetcomm.loop.launch import RankFailed, free_port, launch, local_world, under_torchrun
 from hetcomm.loop.checkpoint import CheckpointError, checkpoints, load, newest_valid
+from hetcomm.train.data_fingerprint import data_fingerprint
 from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
                                   from_args, parser, validate)
 from hetcomm.simulated import speeds_for_this_machine
@@ -35,9 +36,12 @@ def _check_resume(config: TrainConfig, world: int) -> None:
     from hetcomm.train.trainer import check_resumable, load_data, run_description
 
     data, description = load_data(config)
+    config.data_fingerprint = data_fingerprint(config.data, data.tokens, config.out)
     expected = run_description(config, world, description, len(data))
     if config.resume:
-        check_resumable(load(config.resume, expected), config, data.vocab_size)
+        state = load(config.resume, expected)
+        check_resumable(state, config, data.vocab_size)
+        _check_same_data(state, config, config.resume)
         return
     if config.fresh or not checkpoints(config.out):
         return
@@ -51,9 +55,23 @@ def _check_resume(config: TrainConfig, world: int) -> None:
         print(f"hetcomm train: passing over {reason}", file=sys.stderr)
     if state["step"] < config.steps:
         check_resumable(state, config, data.vocab_size)
+        _check_same_data(state, config, path)
         if say:
             print(f"hetcomm train: resuming from {path} (step {state['step']} of {config.steps})", file=sys.stderr)
         config.resume = str(path)
+
+
+def _check_same_data(state: dict, config: TrainConfig, path) -> None:
+    """Refuses to resume on data whose content is not what the checkpoint was trained on
+    (regenerated, edited or cut under the same name: the window count may not change),
+    unless --data-changed. A checkpoint written before fingerprints were kept has none."""
+    recorded, now = state["run"].get("data_sha256"), config.data_fingerprint["sha256"]
+    if recorded is None or recorded == now or config.data_changed:
+        return
+    data = f"--data {config.data}" if config.data else "the default corpus"
+    raise CheckpointError(f"{data}: its content is not what {path} was trained on (SHA-256 {recorded[:16]}... then, "
+                          f"{now[:16]}... now): it was regenerated or edited; pass --data-changed to resume on it "
+                          f"anyway, or --fresh to start over")
 
 
 def speedup_words(ratio: float) -> str:

@@ -37,6 +37,7 @@ from hetcomm.loop import BalancedLoop, StepResult, agree_precision
 from hetcomm.loop import checkpoint
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, load_windows
+from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
 from hetcomm.train.model import GPT, GPTConfig
 from hetcomm.train.runlog import RunLog
 from hetcomm.simulated import SimulatedSpeed, parse_slowdown, parse_speeds
@@ -147,6 +148,10 @@ class Trainer:
         self.speed = speed
         self._pending: dict | None = None   # rank 0: the last step's log line, waiting for its times
         self.description = run_description(config, world, data_description, len(self.data))
+        # What checkpoints record of the data's content (the launcher has it; a Trainer
+        # made directly hashes it here, on the rank that writes them).
+        self.data_fingerprint = config.data_fingerprint or (
+            data_fingerprint(config.data, self.data.tokens, config.out) if rank == 0 else None)
         self.phases: list[Phase] = []
         if config.resume:
             self._resume(config.resume)
@@ -163,6 +168,7 @@ class Trainer:
                                            "vocab_size": self.data.vocab_size, "ranks": ranks,
                                            "memory_caps": self.caps, "simulated": self.simulated},
                               resume_step=self.step if config.resume else None)
+            remember_fingerprint(self.data_fingerprint, config.out)
 
     @property
     def step(self) -> int:
@@ -339,7 +345,8 @@ class Trainer:
         loop_state = self.loop.state_dict()
         if self.rank == 0:
             checkpoint.save(self.config.out, self.step,
-                            {"run": self.description, "model": self._model_state(),
+                            {"run": {**self.description, "data_sha256": self.data_fingerprint["sha256"]},
+                             "model": self._model_state(),
                              "optimizer": self.optimizer.state_dict(), "loop": loop_state,
                              "phases": [[p.name, p.step_seconds] for p in self.phases]}, keep=self.config.keep)
         dist.barrier()
