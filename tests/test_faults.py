@@ -21,6 +21,7 @@ from hetcomm.loop import checkpoint
 from hetcomm.loop.launch import free_port
 from hetcomm.train import launch
 from hetcomm.train.config import from_args, parser
+from hetcomm.train.out_lock import hold_out
 from hetcomm.train.trainer import Trainer
 
 TEXT = ("def greet(name):\n    return 'hello ' + name\n\nclass Point:\n    x = 0\n    y = 0\n" * 60).encode()
@@ -74,6 +75,15 @@ def workers(agent: int) -> list[int]:
     return sorted(found)
 
 
+def running(pid: int) -> bool:
+    """Whether the process lives: a zombie (exited, not yet reaped by whoever adopted it)
+    does not."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def final_weights(out: Path) -> dict:
     return torch.load(checkpoint.checkpoints(out)[0], weights_only=True)["model"]
 
@@ -99,6 +109,33 @@ def test_a_torchrun_job_with_a_worker_killed_twice_ends_as_an_uninterrupted_run(
     assert logged_steps(out) == list(range(24))   # every step once: the killed runs' later lines cut
     expected = final_weights(straight)
     assert all(torch.equal(t, expected[name]) for name, t in final_weights(out).items())
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_killed_torchrun_agent_takes_its_workers_along_and_holds_out_till_then(tmp_path, capsys):
+    out = tmp_path / "run"
+    job = torchrun(tmp_path, out, 400)
+    wait_for_steps(out, 3, job)
+    ranks = workers(job.pid)
+    assert len(ranks) == 2
+    # While it runs, a second run into its --out is refused, naming the holder.
+    with pytest.raises(SystemExit) as stop:
+        launch.main(["--nproc", "2", "--steps", "400", "--data", corpus(tmp_path), "--out", str(out),
+                     "--speeds", "0.03,0.03", *TRAIN])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"--out {out} is in use by a live run (PID " in err, err
+    assert any(f"(PID {pid} on " in err for pid in ranks), (err, ranks)   # rank 0's worker holds it
+    job.kill()   # SIGKILL to torchrun's agent alone: its workers were orphaned and trained on
+    job.communicate()
+    deadline = time.monotonic() + 60
+    while any(running(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "the workers outlived their agent by a minute"
+        time.sleep(0.2)
+    logged = logged_steps(out)
+    time.sleep(1)
+    assert logged_steps(out) == logged and len(logged) < 400
+    with hold_out(str(out)):   # free again
+        pass
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")

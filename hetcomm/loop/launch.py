@@ -1,8 +1,10 @@
 """Starting the ranks of a training function: joining a torchrun job, or starting one
 process per local GPU, or a cluster of CPU workers on a machine without GPUs."""
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -17,6 +19,7 @@ import torch.multiprocessing as mp
 from hetcomm.loop.host_memory import keep_freed_memory
 
 DEFAULT_CPU_RANKS = 4
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 # Once a rank has failed, how long the others get to end on their own, and then to
 # answer SIGTERM, before SIGKILL. torch's own wait for SIGTERM is 30 s: a rank that
 # stalled (or that the trainer's SIGTERM handler keeps until its step ends, which a
@@ -94,8 +97,25 @@ def _join_torchrun_job(backend: str, timeout: timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
+def _end_with_parent() -> None:
+    """Linux: has this rank sent SIGTERM when the process that started it dies (torchrun's
+    agent, or the launcher's fork server, which ends with the launcher). Without it, a
+    killed agent left its workers training as orphans, writing into --out beside the
+    workers of a relaunch. SIGTERM, not SIGKILL: the trainer's handler then stops every
+    rank after the same step, with a checkpoint; a plain program just ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return   # not allowed here (a sandbox): the rank lives as before
+    if os.getppid() != parent:   # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _run_rank(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
               timeout: timedelta) -> None:
+    _end_with_parent()
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

@@ -5,6 +5,7 @@ a simulated heterogeneous cluster of CPU workers on a machine without GPUs."""
 import json
 import os
 import sys
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from hetcomm.loop.launch import RankFailed, free_port, launch, local_world, under_torchrun
 from hetcomm.loop.checkpoint import CheckpointError, checkpoints, load, newest_valid
 from hetcomm.train.data_fingerprint import data_fingerprint
+from hetcomm.train.out_lock import hold_out
 from hetcomm.train.config import (DEFAULT_CPU_SPEEDS, TrainConfig, check_data, check_out, config_device_is_cpu,
                                   from_args, parser, validate)
 from hetcomm.simulated import speeds_for_this_machine
@@ -123,14 +125,17 @@ def main(argv=None) -> int:
         check_out(config.out)
         check_data(config)
         _check_resume(config, world)
+        # Held while the run goes: by the launcher, or under torchrun by rank 0's worker.
+        out_lock = hold_out(config.out) if os.environ.get("RANK", "0") == "0" else nullcontext()
     except (ValueError, OSError, CheckpointError) as error:
         parser().exit(2, f"hetcomm train: error: {error}\n")
-    try:
-        launch(_train, config, nproc=world, use_cuda=use_cuda, debug=args.debug,
-               timeout=timedelta(seconds=config.timeout))
-    except RankFailed as failure:
-        hint = "" if args.debug else " (--debug prints its traceback)"
-        parser().exit(1, f"hetcomm train: error: {failure}{hint}\n")
+    with out_lock:
+        try:
+            launch(_train, config, nproc=world, use_cuda=use_cuda, debug=args.debug,
+                   timeout=timedelta(seconds=config.timeout))
+        except RankFailed as failure:
+            hint = "" if args.debug else " (--debug prints its traceback)"
+            parser().exit(1, f"hetcomm train: error: {failure}{hint}\n")
     if not under_torchrun():
         if (Path(config.out) / "summary.json").is_file():
             _print_summary(Path(config.out), config, world)
