@@ -6,6 +6,7 @@ stops with one line that names the cause, leaving --out as it was."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -376,7 +377,35 @@ def test_a_stalled_rank_is_reported_within_the_timeout(tmp_path, capsys):
                      *TRAIN, "--timeout", "4", "--slowdown", "1:1:0.0001"])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "not every rank answered within 4 s" in err and "Traceback" not in err
+    assert "error: rank 1: stopped answering (it stalled or died); rank 0 saw: CollectiveTimeout" in err, err
     assert time.monotonic() - start < 30   # 4 s, not 4 + the 30 s torch waits for a SIGTERM
+
+
+def grandchildren(pid: int) -> list[int]:
+    """The children of `pid`'s children: under the launcher, the ranks its fork server forked."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    return sorted(p for p, parent in parents.items() if parents.get(parent) == pid)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_a_rank_killed_is_the_rank_named_not_the_peer_that_lost_it(tmp_path):
+    out = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "hetcomm", "train", "--nproc", "2", "--steps", "400", "--data",
+                            corpus(tmp_path), "--out", str(out), "--speeds", "0.03,0.03", *TRAIN],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 2, job)
+    ranks = grandchildren(job.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 1 and re.search(r"error: rank [01]: killed by signal SIGKILL", err), err
+    assert "CollectiveTimeout" not in err and "Traceback" not in err and "GLHF" not in err
 
 
 def test_a_finished_run_is_started_over_and_other_settings_are_refused(crashed_run, tmp_path, capsys):

@@ -48,9 +48,11 @@ def wait(work, timeout: timedelta | None, what: str) -> None:
                 happened = f"not every rank answered within {timeout.total_seconds():g} s"
             else:
                 happened = f"a peer's connection failed after {waited:.1f} s"
+            # The backend's own text (a source path, an address) stays in the chained error, which
+            # a traceback (`--debug`) shows: the one line names what was waited for and how it ended.
             raise CollectiveTimeout(
                 f"{what}: {happened}. A rank may have died, stalled or not called in the same collective; "
-                f"the process group must be rebuilt. ({str(error).splitlines()[0]})"
+                f"the process group must be rebuilt."
             ) from error
         raise
 

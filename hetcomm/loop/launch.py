@@ -29,11 +29,12 @@ STOP_GRACE_S = 3.0
 
 class RankFailed(RuntimeError):
     """A rank of the job failed: `rank` and the `cause` in one line, such as
-    "ValueError: ..." or "killed by signal SIGKILL"."""
+    "ValueError: ..." or "killed by signal SIGKILL"; `trace`, the traceback the rank
+    sent when launched with debug (else "")."""
 
-    def __init__(self, rank: int, cause: str):
+    def __init__(self, rank: int, cause: str, trace: str = ""):
         super().__init__(f"rank {rank}: {cause}")
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.trace = rank, cause, trace
 
 
 def _one_line(error: BaseException) -> str:
@@ -67,15 +68,16 @@ def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: boo
     """Runs one rank. A failure becomes a RankFailed (under torchrun), or, in a worker
     this process spawned, a one-line cause put on `failures` for the parent and exit
     code 1: torch's own spawn would hand the parent the whole traceback instead.
-    With `debug`, the traceback is printed to stderr as well."""
+    With `debug`, the traceback goes with it, for the parent to print: this process's
+    stderr is the fork server's, which need not be the parent's now."""
     try:
         _run_rank(rank, world, main, args, use_cuda, init_method, timeout)
     except Exception as error:
-        if debug:
-            traceback.print_exc()
         if failures is None:
+            if debug:
+                traceback.print_exc()
             raise RankFailed(rank, _one_line(error)) from error
-        failures.put((rank, _one_line(error)))
+        failures.put((rank, _one_line(error), traceback.format_exc() if debug else ""))
         sys.stderr.flush()
         # As after a success: leave without the process-group destructors (see _run_rank).
         os._exit(1)
@@ -151,7 +153,8 @@ def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | Non
     `main` and `args` must be picklable (a module-level function) for the local processes.
 
     Raises RankFailed naming the first rank that failed and its exception in one line
-    (the other local processes are stopped); `debug` also prints that rank's traceback."""
+    (the other local processes are stopped); `debug` also prints that rank's traceback
+    to this process's stderr."""
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     world = local_world(use_cuda, nproc)
     if world < 1:
@@ -174,7 +177,9 @@ def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | Non
             while not ranks.join(grace_period=STOP_GRACE_S):
                 pass
     except mp.ProcessExitedException as exited:
-        raise _first_failure(failures, exited) from None
+        failure = _first_failure(failures, exited, ranks.processes)
+        sys.stderr.write(failure.trace)
+        raise failure from None
     finally:
         failures.close()
 
@@ -193,12 +198,18 @@ def _quiet_spawn_log() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _first_failure(failures, exited: mp.ProcessExitedException) -> RankFailed:
-    """The failure that came first: a rank whose peer failed fails too (its collectives
-    lose their connection), after it, so the first one queued is the cause. A rank
-    that queued nothing was killed (a signal, the OOM killer) or exited on its own."""
-    if not failures.empty():
-        return RankFailed(*failures.get())
+def _first_failure(failures, exited: mp.ProcessExitedException, processes) -> RankFailed:
+    """The failure that came first. A rank killed from outside (a signal: the launcher
+    sends none before a failure) queued nothing: it is named. Otherwise the first rank
+    that queued its error: a rank whose peer failed fails after it (its collectives lose
+    their connection). But when that error is a peer's timeout, a rank the launcher then
+    had to stop (it had not ended by itself: stalled) is the cause, named with it."""
     if exited.signal_name:
         return RankFailed(exited.error_index, f"killed by signal {exited.signal_name}")
-    return RankFailed(exited.error_index, f"exited with code {exited.exit_code}")
+    if failures.empty():
+        return RankFailed(exited.error_index, f"exited with code {exited.exit_code}")
+    rank, cause, trace = failures.get()
+    stopped = [i for i, p in enumerate(processes) if i != rank and p.exitcode is not None and p.exitcode < 0]
+    if stopped and cause.startswith("CollectiveTimeout"):
+        return RankFailed(stopped[0], f"stopped answering (it stalled or died); rank {rank} saw: {cause}", trace)
+    return RankFailed(rank, cause, trace)
