@@ -356,7 +356,7 @@ def test_a_checkpoint_of_the_previous_format_is_read_with_its_tensors_verified(t
         checkpoint.load(path, {"seed": 0})
 
 
-def test_a_rerun_resumes_cuts_the_log_and_removes_stale_temporaries(crashed_run, tmp_path):
+def test_a_rerun_resumes_cuts_the_log_and_removes_stale_temporaries(crashed_run, tmp_path, capsys):
     out, arguments = crashed_run
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
@@ -368,6 +368,9 @@ def test_a_rerun_resumes_cuts_the_log_and_removes_stale_temporaries(crashed_run,
     assert launch.main([*arguments[:-len(TRAIN) - 2], "--out", str(copy), *TRAIN]) == 0
     assert logged_steps(copy) == list(range(6))
     assert not list(copy.glob(".checkpoint-*.tmp"))
+    # The summary times the whole run from its log, and says what this session ran.
+    logged_s = sum(json.loads(line)["step_s"] for line in (copy / "steps.jsonl").read_text().splitlines())
+    assert f": 6 steps in {logged_s:.3g} s of logged steps (resumed at step 4: " in capsys.readouterr().out
 
 
 def test_a_stalled_rank_is_reported_within_the_timeout(tmp_path, capsys):

@@ -87,7 +87,12 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
     kind = (f"SIMULATED cluster of {world} CPU workers (speed factors {config.speeds}"
             + (f", slowdowns {', '.join(config.slowdown)}" if config.slowdown else "") + ")") \
         if summary["simulated"] else f"{world} ranks"
-    print(f"\nhetcomm train: {kind}: {summary['steps']} steps in {summary['seconds']:.3g} s")
+    # After a resume this process ran only the steps from the checkpoint on: the time of
+    # the whole run is that of its logged steps.
+    logged_s = sum(s["step_s"] for s in steps)
+    resumed = summary.get("first_step", 0)
+    session = f" (resumed at step {resumed}: {summary['seconds']:.3g} s in this session)" if resumed else ""
+    print(f"\nhetcomm train: {kind}: {summary['steps']} steps in {logged_s:.3g} s of logged steps{session}")
     phases = summary["phases"]
     for name, phase in phases.items():
         print(f"  {name:<14} {phase['steps']:>4} steps, median {phase['median_step_s']:.3f} s per step")

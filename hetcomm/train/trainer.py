@@ -246,7 +246,7 @@ class Trainer:
             # disable=None: a bar on a terminal, nothing in a log file.
             progress = tqdm(total=config.steps, initial=self.step, desc=label, unit="step", dynamic_ncols=True,
                             disable=None)
-        run_start = time.perf_counter()
+        run_start, first_step = time.perf_counter(), self.step
         step_start = time.perf_counter()
         # Preemption (torchrun and schedulers send SIGTERM): the ranks agree on a step to
         # stop after, checkpoint there and return; the same command resumes.
@@ -285,7 +285,7 @@ class Trainer:
             self._complete_log()   # save_checkpoint does it otherwise
             return None
         self.save_checkpoint()
-        summary = self._summary(time.perf_counter() - run_start)
+        summary = {**self._summary(time.perf_counter() - run_start), "first_step": first_step}
         if self.log:
             self.log.summary(summary)
             self.log.close()
