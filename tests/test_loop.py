@@ -344,7 +344,8 @@ def misuse(rank, world, how):
     batch = GLOBAL_BATCH + 2 * rank if how == "global batches of two sizes" else GLOBAL_BATCH
     loop = BalancedLoop(model, data, global_batch=batch, wire_dtype=torch.float32,
                         split=None if batch != GLOBAL_BATCH else [8, 8],
-                        collate_fn=cut_short if how == "collate drops a sample" else None)
+                        collate_fn=cut_short if how == "collate drops a sample" else None,
+                        data_fingerprint=f"v{rank}" if how == "data of two fingerprints" else None)
     for step in loop.steps(1 + rank if how == "steps of two counts" else 1):
         for batch in step:
             if how == "no backward":
@@ -365,6 +366,7 @@ def misuse(rank, world, how):
     ("datasets of two lengths", "ValueError", "len(dataset) differs between ranks (rank 0: 96, rank 1: 88)"),
     ("global batches of two sizes", "ValueError", "global_batch differs between ranks (rank 0: 16, rank 1: 18)"),
     ("steps of two counts", "ValueError", "BalancedLoop.steps: total differs between ranks (rank 0: 1, rank 1: 2)"),
+    ("data of two fingerprints", "ValueError", "data_fingerprint differs between ranks (rank 0: 'v0', rank 1: 'v1')"),
 ])
 def test_bad_use_is_one_clear_error_on_every_rank(tmp_path, how, error, message):
     for result in run_ranks(2, misuse, how, tmp_path=tmp_path, group_timeout_s=20):
@@ -411,6 +413,48 @@ def test_bad_arguments_name_the_argument(tmp_path):
     assert len(messages) == len(BAD_ARGUMENTS)
     for message, (_, expected) in zip(messages, BAD_ARGUMENTS):
         assert expected in message
+
+
+class FingerprintedTokens(MaskedTokens):
+    """A dataset with the fingerprint hook: a string that changes with its content."""
+
+    def __init__(self, version: str):
+        super().__init__()
+        self.version = version
+
+    def fingerprint(self):
+        return self.version
+
+
+def load_on_other_data(rank, world):
+    def loop(data, **options):
+        return BalancedLoop(TinyTagger(), data, global_batch=GLOBAL_BATCH, wire_dtype=torch.float32, **options)
+
+    taken = loop(FingerprintedTokens("v1")).state_dict()
+    outcomes = [taken["data_fingerprint"]]
+    for data, options, data_changed in [(FingerprintedTokens("v2"), {}, False),
+                                        (FingerprintedTokens("v2"), {}, True),
+                                        (MaskedTokens(), {"data_fingerprint": "v1"}, False),
+                                        (MaskedTokens(), {}, False)]:   # no fingerprint: nothing to compare
+        try:
+            loop(data, **options).load_state_dict(taken, data_changed=data_changed)
+            outcomes.append("loaded")
+        except ValueError as error:
+            outcomes.append(str(error))
+    try:
+        loop(MaskedTokens(), data_fingerprint=3)
+    except TypeError as error:
+        outcomes.append(str(error))
+    return outcomes
+
+
+def test_a_state_taken_on_other_data_is_refused_unless_said_changed(tmp_path):
+    taken, other, changed, given, unknown, bad = values(run_ranks(1, load_on_other_data, tmp_path=tmp_path))[0]
+    assert taken == "v1"
+    assert "state was taken on data of fingerprint 'v1'; this loop's dataset has 'v2'" in other
+    assert "data_changed=True" in other
+    assert changed == given == unknown == "loaded"
+    assert bad == "BalancedLoop: data_fingerprint = 3: expected a str or None"
 
 
 def test_the_loop_needs_a_process_group():

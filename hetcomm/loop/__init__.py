@@ -25,6 +25,8 @@ which it composes, and the trainer (hetcomm.train), which is one of its clients.
 
 from hetcomm.loop.agreement import agree_precision, check_same_parameters
 from hetcomm.loop.balanced_loop import BalancedLoop
+from hetcomm.loop.fingerprint import fingerprint_files
 from hetcomm.loop.step import LoopStep, RankRow, StepResult
 
-__all__ = ["BalancedLoop", "LoopStep", "StepResult", "RankRow", "agree_precision", "check_same_parameters"]
+__all__ = ["BalancedLoop", "LoopStep", "StepResult", "RankRow", "agree_precision", "check_same_parameters",
+           "fingerprint_files"]

@@ -76,6 +76,12 @@ class BalancedLoop:
         master_params: fp32 masters of a model computing in 16-bit (see WeightedReducer):
             the reduced gradient goes into their .grad.
         seed: the data order's seed (the same on every rank).
+        data_fingerprint: a string that changes when the dataset's content does (e.g.
+            hetcomm.loop.fingerprint_files(paths) of the files it reads); without one, the
+            dataset's own fingerprint() if it has that method. Every rank must have the
+            same; state_dict records it, and load_state_dict refuses a state taken on
+            other data (regenerated or edited under the same name, with the same length)
+            unless data_changed=True.
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
             stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
             the stretch paid after each leaf module's forward and each gradient.
@@ -88,7 +94,8 @@ class BalancedLoop:
                  precision: str = "auto", wire_dtype: torch.dtype = torch.float16, bucket_cap_mb: float = 25.0,
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,
                  master_params: Sequence[torch.Tensor] | None = None, seed: int = 0,
-                 simulated_speed=None, timeout: timedelta | None = None, overlap: bool = True):
+                 data_fingerprint: str | None = None, simulated_speed=None, timeout: timedelta | None = None,
+                 overlap: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("BalancedLoop: torch.distributed is not initialised; call dist.init_process_group "
                                "first (torchrun sets up its environment)")
@@ -106,7 +113,9 @@ class BalancedLoop:
         self.collate_fn = collate_fn or default_collate
         self.global_batch = global_batch
         self.balance, self.equal_steps, self.items_per_sample = balance, equal_steps, items_per_sample
-        check_same_values({"global_batch": global_batch, "len(dataset)": len(dataset), "seed": seed}, "BalancedLoop")
+        self.data_fingerprint = _fingerprint_of(dataset, data_fingerprint)
+        check_same_values({"global_batch": global_batch, "len(dataset)": len(dataset), "seed": seed,
+                           "data_fingerprint": self.data_fingerprint}, "BalancedLoop")
         check_same_parameters(model)
         self.precision = precision if precision != "auto" else agree_precision(self.device, "auto")
         if precision != "auto":
@@ -205,16 +214,25 @@ class BalancedLoop:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         mine = [None] * self.world
         dist.all_gather_object(mine, (torch.get_rng_state(), cuda, list(self.forward_share.recent)))
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "last_total": self.last_total,
+        return {"step": self.step, "data_fingerprint": self.data_fingerprint,
+                "sampler": self.sampler.state_dict(), "last_total": self.last_total,
                 "rebalancer": self.rebalancer.rebalancer.state_dict(), "split": list(self.split),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "rng": [m[0] for m in mine], "cuda_rng": [m[1] for m in mine], "forward_shares": [m[2] for m in mine]}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continues exactly where state_dict() was taken (same ranks, data and batch)."""
+    def load_state_dict(self, state: dict, *, data_changed: bool = False) -> None:
+        """Continues exactly where state_dict() was taken (same ranks, data and batch).
+        A state taken on data of another fingerprint is refused unless `data_changed`
+        (the data was changed on purpose); one without a fingerprint is not compared."""
         if len(state["rng"]) != self.world:
             raise ValueError(f"BalancedLoop.load_state_dict: the state is of {len(state['rng'])} ranks; this run has "
                              f"{self.world}")
+        taken_on = state.get("data_fingerprint")
+        if taken_on is not None and self.data_fingerprint is not None and taken_on != self.data_fingerprint \
+                and not data_changed:
+            raise ValueError(f"BalancedLoop.load_state_dict: the state was taken on data of fingerprint {taken_on!r}; "
+                             f"this loop's dataset has {self.data_fingerprint!r}: its content changed. Pass "
+                             f"data_changed=True to continue on it anyway")
         self.sampler.load_state_dict(state["sampler"])
         self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
         self.split = tuple(int(b) for b in state["split"])
@@ -359,6 +377,17 @@ def _stretch_as_it_goes(model: nn.Module, params: list[nn.Parameter], settle: Ca
             module.register_forward_hook(lambda *_: settle())
     for p in params:
         p.register_post_accumulate_grad_hook(lambda _: settle())
+
+
+def _fingerprint_of(dataset, given: str | None) -> str | None:
+    """`given`, else the dataset's fingerprint() if it has one; a string or None."""
+    if given is None and callable(getattr(dataset, "fingerprint", None)):
+        given = dataset.fingerprint()
+        if not isinstance(given, str):
+            raise TypeError(f"BalancedLoop: dataset.fingerprint() returned {type(given).__name__}; expected a str")
+    elif given is not None and not isinstance(given, str):
+        raise TypeError(f"BalancedLoop: data_fingerprint = {given!r}: expected a str or None")
+    return given
 
 
 def _check_arguments(dataset, global_batch, world, balance, equal_steps, threshold, loss_scale, items_per_sample,

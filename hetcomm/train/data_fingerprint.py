@@ -2,10 +2,10 @@
 data that changed under the same name (regenerated, edited, cut short) is refused
 instead of trained on: the window count alone misses an edit of the same length.
 
-A file's fingerprint is the SHA-256 of all its bytes: a sample of blocks would miss an
-edit between them. Hashing reads the whole file (about 1 GB/s on one core of the 2-core
-CI machine, measured 2026-12-04: ~17 s for nanoGPT's 17 GB OpenWebText, plus reading it
-from disk), so the result is cached in the run directory, keyed by the file's path, size
+A file's fingerprint is the SHA-256 of all its bytes (hetcomm.loop.fingerprint). Hashing
+reads the whole file (about 1 GB/s on one core of the 2-core CI machine, measured
+2026-12-04: ~17 s for nanoGPT's 17 GB OpenWebText, plus reading it from disk), so the
+result is cached in the run directory, keyed by the file's path, size
 and modification time: resuming on an unchanged file reads none of it, and a file
 rewritten or edited in place (a new mtime) is hashed again. The default corpus is hashed
 from memory (4 MiB)."""
@@ -18,16 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hetcomm.loop.fingerprint import file_sha256
+
 CACHE_NAME = "data-fingerprint.json"
-BLOCK_BYTES = 16 * 2**20
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:

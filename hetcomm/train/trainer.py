@@ -131,6 +131,11 @@ class Trainer:
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
         speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown),
                                device.type)
+        # What checkpoints record of the data's content (the launcher has it; a Trainer made
+        # directly hashes it here). The loop checks that every rank has the same: ranks on
+        # several hosts read their own copy of --data.
+        self.data_fingerprint = config.data_fingerprint or data_fingerprint(config.data, self.data.tokens,
+                                                                            config.out)
         # Every window's block_size targets carry loss: the weights are known before the
         # reduction, and their agreement travels beside the gradients.
         self.loop = BalancedLoop(
@@ -141,17 +146,13 @@ class Trainer:
             memory_caps=parse_caps(config.memory_caps, world) if config.memory_caps else None,
             probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
             loss_scale=config.loss_scale, items_per_sample=config.block_size, master_params=self.masters,
-            seed=config.seed, simulated_speed=speed, timeout=timedelta(seconds=config.timeout),
-            overlap=config.overlap)
+            seed=config.seed, data_fingerprint=self.data_fingerprint["sha256"], simulated_speed=speed,
+            timeout=timedelta(seconds=config.timeout), overlap=config.overlap)
         self.reducer = self.loop.reducer
         self.caps = self.loop.caps
         self.speed = speed
         self._pending: dict | None = None   # rank 0: the last step's log line, waiting for its times
         self.description = run_description(config, world, data_description, len(self.data))
-        # What checkpoints record of the data's content (the launcher has it; a Trainer
-        # made directly hashes it here, on the rank that writes them).
-        self.data_fingerprint = config.data_fingerprint or (
-            data_fingerprint(config.data, self.data.tokens, config.out) if rank == 0 else None)
         self.phases: list[Phase] = []
         if config.resume:
             self._resume(config.resume)
@@ -367,5 +368,5 @@ class Trainer:
                 for name, master in zip(names, self.masters):
                     master.copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.loop.load_state_dict(state["loop"])
+        self.loop.load_state_dict(state["loop"], data_changed=self.config.data_changed)
         self.phases = [Phase(name, list(seconds)) for name, seconds in state["phases"]]
