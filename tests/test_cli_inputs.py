@@ -153,6 +153,35 @@ def test_a_bad_log_is_one_line_for_report(tmp_path, records, message, capsys):
     assert not list(run.glob("*.png"))
 
 
+def test_a_log_of_two_rank_counts_is_one_line_for_report(tmp_path, capsys):
+    run = run_dir(tmp_path, [STEP, {**STEP, "step": 2, "micro_batch": [3, 3, 2]}])
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(run)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "steps.jsonl, record 2: micro_batch = [3, 3, 2]: expected a list of 2 " \
+        "values, one per rank" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("loss, summary, warnings", [
+    (5.0, '{"steps": 2}', []),
+    (float("nan"), '{"steps": 2}', ["the loss is not a finite number at 1 of 2 steps (first at step 2): gaps"]),
+    (5.0, None, ["summary.json: none; the run did not finish (or still runs): plotted from its 2 logged steps"]),
+    (float("inf"), '{"steps": ', ["the loss is not a finite number at 1 of 2 steps", "summary.json: not readable "
+                                  "as JSON (Expecting value: line 1 column 11 (char 10)); plotted from steps.jsonl"]),
+])
+def test_report_says_what_its_plots_cannot_show(tmp_path, loss, summary, warnings, capsys):
+    run = run_dir(tmp_path, [STEP, {**STEP, "step": 2, "loss": loss}])
+    if summary is not None:
+        (run / "summary.json").write_text(summary)
+    assert report.main([str(run)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == len(warnings) and all(line.startswith("hetcomm report: warning: ") for line in lines)
+    for line, warning in zip(lines, warnings):
+        assert warning in line, line
+    assert captured.out.split() == [str(run / "loss.png"), str(run / "balance.png")]
+
+
 def test_report_on_an_unwritable_run_is_one_line(tmp_path, monkeypatch, capsys):
     run = run_dir(tmp_path, [STEP])
     not_writable(monkeypatch, run)
