@@ -83,6 +83,26 @@ MUTANTS = {
         'self.epoch = state["epoch"]',
         "the sampler's cursor not restored on load: a resumed run starts its epoch over, repeating samples",
         ["test_balance_sampler.py"]),
+    "non_tensors_undigested": (
+        "loop/checkpoint.py", "found[NON_TENSORS] = hashlib.sha256(repr(_skeleton(state)).encode()).hexdigest()",
+        'found[NON_TENSORS] = ""',
+        "the checkpoint's digest of what is not a tensor (step, sampler position, split, loss scale) left empty: an "
+        "edited step or sampler position loads",
+        ["test_faults.py"]),
+    "changed_data_resumed": (
+        "train/launch.py", "if recorded is None or recorded == now or config.data_changed:",
+        "if recorded is None or recorded or config.data_changed:",
+        "the launcher's data check skipped: a resume on regenerated data is let through to the workers",
+        ["test_faults.py"]),
+    "loop_fingerprint_ignored": (
+        "loop/balanced_loop.py", "and not data_changed:", "and data_changed:",
+        "BalancedLoop.load_state_dict continues on data of another fingerprint unless told it changed",
+        ["test_loop.py"]),
+    "peer_named_for_a_killed_rank": (
+        "loop/launch.py", "if exited.signal_name:", "if exited.signal_name and failures.empty():",
+        "a rank killed by a signal is named only when no peer queued an error: the peer that lost its connection "
+        "is named instead",
+        ["test_faults.py"]),
 }
 
 PYTEST_OPTIONS = ["-x", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=line"]
