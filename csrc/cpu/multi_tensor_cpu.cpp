@@ -1,6 +1,7 @@
 #include "cpu/multi_tensor_cpu.h"
 
-#include <ATen/Parallel.h>
+#include "cpu/chunks.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -10,13 +11,6 @@
 namespace hetcomm::cpu {
 namespace {
 
-// Elements per unit of parallel work: large enough that the per-chunk bookkeeping
-// (a binary search, a function-pointer call per segment piece) is noise, small enough
-// that 4M elements still give every core several chunks.
-constexpr int64_t kChunk = 1 << 15;
-
-using SpanFn = void (*)(const void* src, void* dst, int64_t n, float scale, SpanStats& stats);
-
 bool cpu_has_avx2_f16c() {
 #if HETCOMM_HAS_AVX2_PATH
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -24,6 +18,8 @@ bool cpu_has_avx2_f16c() {
   return false;
 #endif
 }
+
+}  // namespace
 
 // HETCOMM_CPU_ISA=scalar forces the portable loops (to test them, or to rule the
 // vector path out when chasing a numerical difference); read once per process.
@@ -36,6 +32,10 @@ bool use_avx2() {
   }();
   return use;
 }
+
+namespace {
+
+using SpanFn = void (*)(const void* src, void* dst, int64_t n, float scale, SpanStats& stats);
 
 template <typename S, typename D, Check kCheck, bool kSumSq>
 void span_entry(const void* src, void* dst, int64_t n, float scale, SpanStats& stats) {
@@ -111,25 +111,11 @@ SpanStats run_segments(const SegmentList& segments, float scale, Work work) {
     return {};
   }
 
-  const int64_t num_chunks = (total + kChunk - 1) / kChunk;
-  std::vector<SpanStats> partial(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-      const int64_t begin = chunk * kChunk;
-      const int64_t end = std::min(total, begin + kChunk);
-      // The segment holding `begin`: the last one starting at or before it.
-      size_t k = std::upper_bound(offsets.begin(), offsets.begin() + count, begin) - offsets.begin() - 1;
-      for (int64_t pos = begin; pos < end; ++k) {
-        const int64_t stop = std::min(end, offsets[k + 1]);
-        const int64_t local = pos - offsets[k];
-        const Segment& seg = segments[k];
-        const size_t src_item = c10::elementSize(seg.src_type);
-        const size_t dst_item = c10::elementSize(seg.dst_type);
-        spans[k](static_cast<const char*>(seg.src) + local * src_item,
-                 static_cast<char*>(seg.dst) + local * dst_item, stop - pos, scale, partial[chunk]);
-        pos = stop;
-      }
-    }
+  std::vector<SpanStats> partial((total + kChunk - 1) / kChunk);
+  for_each_piece(offsets, [&](int64_t chunk, size_t k, int64_t local, int64_t n) {
+    const Segment& seg = segments[k];
+    spans[k](static_cast<const char*>(seg.src) + local * c10::elementSize(seg.src_type),
+             static_cast<char*>(seg.dst) + local * c10::elementSize(seg.dst_type), n, scale, partial[chunk]);
   });
 
   SpanStats result;

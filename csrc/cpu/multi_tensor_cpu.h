@@ -20,6 +20,10 @@ enum class Work {
 // the number of threads.
 SpanStats run_segments(const SegmentList& segments, float scale, Work work);
 
+// Whether the element loops take their AVX2+FMA+F16C path in this process (the CPU
+// has it and HETCOMM_CPU_ISA does not ask for the scalar loops).
+bool use_avx2();
+
 // The instruction set the element loops use in this process: "avx2+fma+f16c" or "scalar".
 const char* vector_isa();
 
