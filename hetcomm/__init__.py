@@ -5,7 +5,7 @@ from hetcomm._extension import PurePythonWarning
 from hetcomm._version import __version__
 from hetcomm.comm import ReduceResult, WeightedHookState, WeightedReducer, weighted_hook
 from hetcomm.info import info
-from hetcomm.ops import cast_, get_backend, pack, set_backend, unpack_, unscale_
+from hetcomm.ops import adamw_, cast_, get_backend, pack, set_backend, unpack_, unscale_
 
-__all__ = ["__version__", "info", "pack", "unpack_", "unscale_", "cast_", "set_backend", "get_backend",
+__all__ = ["__version__", "info", "pack", "unpack_", "unscale_", "cast_", "adamw_", "set_backend", "get_backend",
            "WeightedReducer", "ReduceResult", "WeightedHookState", "weighted_hook", "PurePythonWarning"]

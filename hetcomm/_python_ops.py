@@ -4,7 +4,7 @@ The schemas are those of csrc/ops/schemas.cpp, so torch.ops.hetcomm.* has the sa
 signatures in both installs and the fake kernels of hetcomm.ops serve both. pack,
 pack.out, unpack_ and unscale_ get a CPU kernel only: hetcomm.ops then finds no native
 CUDA kernel, and "auto" sends CUDA tensors to the Triton back end. cast_ has no Triton
-kernel, so it gets one kernel for every device. Each kernel validates its arguments
+kernel, so it gets one kernel for every device; so does adamw_. Each kernel validates its arguments
 as the C++ ops do, before it writes anything, then runs the reference computation
 (hetcomm.reference): the same bits as the fused kernels, in several passes.
 
@@ -25,6 +25,9 @@ _lib.define("unpack_(Tensor flat, Tensor(a!)[] dst, Tensor scale, Tensor(b!) fou
             "Tensor(c!)? sq_norm=None) -> ()")
 _lib.define("unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf) -> ()")
 _lib.define("cast_(Tensor[] src, Tensor(a!)[] dst) -> ()")
+_lib.define("adamw_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+            "Tensor(d!)[] copies, Tensor grad_scale, Tensor found_inf, Tensor step, float lr, float beta1, "
+            "float beta2, float eps, float weight_decay) -> ()")
 
 
 def _pack(src, scale, dtype):
@@ -51,6 +54,14 @@ def _unscale(tensors, inv_scale, found_inf):
 def _cast(src, dst):
     checks.check_cast(src, dst)
     reference.cast_(src, dst)
+
+
+def _adamw(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1, beta2, eps,
+           weight_decay):
+    checks.check_adamw(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1, beta2,
+                       eps, weight_decay)
+    reference.adamw_(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1, beta2,
+                     eps, weight_decay)
 
 
 def _no_kernel(op, device):
@@ -89,3 +100,4 @@ for _op, (_kernel, _fallback) in _KERNELS.items():
     _lib.impl(_op, _kernel, "CPU")
     _lib.impl(_op, _fallback, "CompositeExplicitAutograd")
 _lib.impl("cast_", _cast, "CompositeExplicitAutograd")
+_lib.impl("adamw_", _adamw, "CompositeExplicitAutograd")

@@ -8,6 +8,7 @@ use it; the fake kernels use it too (without the aliasing check, which needs rea
 addresses).
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -147,3 +148,78 @@ def check_cast(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
             raise RuntimeError(f"hetcomm.cast_: src[{i}] has shape {list(s.shape)} but dst[{i}] has shape "
                                f"{list(d.shape)}; expected equal shapes")
     check_no_overlap("cast_", _named("src", src, False) + _named("dst", dst, True))
+
+
+def _check_adamw_hyper(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    # Formatted with :g, as C++ streams a double.
+    if not 0.0 <= lr < math.inf:
+        raise RuntimeError(f"hetcomm.adamw_: lr = {lr:g}; expected a finite number >= 0")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise RuntimeError(f"hetcomm.adamw_: {name} = {value:g}; expected 0 <= {name} < 1")
+    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
+        if not 0.0 <= value < math.inf:
+            raise RuntimeError(f"hetcomm.adamw_: {name} = {value:g}; expected a finite number >= 0")
+
+
+def _check_adamw_state(name: str, tensors: Sequence[Tensor], params: Sequence[Tensor], device: torch.device) -> None:
+    if len(tensors) != len(params):
+        raise RuntimeError(f"hetcomm.adamw_: {name} has {len(tensors)} tensors but params has {len(params)}; "
+                           f"expected one per parameter")
+    for i, (t, p) in enumerate(zip(tensors, params)):
+        check_float_tensor("adamw_", f"{name}[{i}]", t, device)
+        if t.dtype != torch.float32:
+            raise TypeError(f"hetcomm.adamw_: {name}[{i}] has dtype {t.dtype}; expected torch.float32")
+        if t.numel() != p.numel():
+            raise RuntimeError(f"hetcomm.adamw_: {name}[{i}] has {t.numel()} elements but params[{i}] has "
+                               f"{p.numel()}; expected as many")
+
+
+def _check_per_parameter_or_flat(name: str, tensors: Sequence[Tensor], params: Sequence[Tensor], total: int,
+                                 device: torch.device) -> None:
+    flat = len(tensors) == 1 and len(params) > 1
+    if not flat and len(tensors) != len(params):
+        raise RuntimeError(f"hetcomm.adamw_: {name} has {len(tensors)} tensors; expected one per parameter "
+                           f"({len(params)}) or one flat 1-D buffer of their {total} elements")
+    for i, t in enumerate(tensors):
+        check_float_tensor("adamw_", f"{name}[{i}]", t, device)
+    if flat:
+        if tensors[0].dim() != 1:
+            raise RuntimeError(f"hetcomm.adamw_: {name}[0], a flat buffer, must be 1-D; got shape "
+                               f"{list(tensors[0].shape)}")
+        if tensors[0].numel() != total:
+            raise RuntimeError(f"hetcomm.adamw_: {name}[0], a flat buffer, has {tensors[0].numel()} elements but "
+                               f"params hold {total} in all; expected exactly that many")
+        return
+    for i, (t, p) in enumerate(zip(tensors, params)):
+        if t.numel() != p.numel():
+            raise RuntimeError(f"hetcomm.adamw_: {name}[{i}] has {t.numel()} elements but params[{i}] has "
+                               f"{p.numel()}; expected as many")
+
+
+def check_adamw(grads: Sequence[Tensor], params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                exp_avg_sqs: Sequence[Tensor], copies: Sequence[Tensor], grad_scale: Tensor, found_inf: Tensor,
+                step: Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, *,
+                aliasing: bool = True) -> None:
+    """adamw_'s checks, in the order of csrc/ops/adamw_plan.cpp."""
+    _check_adamw_hyper(lr, beta1, beta2, eps, weight_decay)
+    device = list_device("adamw_", "params", params)
+    check_float_list("adamw_", "params", params, device)
+    for i, p in enumerate(params):
+        if p.dtype != torch.float32:
+            raise TypeError(f"hetcomm.adamw_: params[{i}] has dtype {p.dtype}; expected torch.float32 (the fp32 "
+                            f"master weights)")
+    total = sum(p.numel() for p in params)
+    _check_adamw_state("exp_avgs", exp_avgs, params, device)
+    _check_adamw_state("exp_avg_sqs", exp_avg_sqs, params, device)
+    _check_per_parameter_or_flat("grads", grads, params, total, device)
+    if len(copies):
+        _check_per_parameter_or_flat("copies", copies, params, total, device)
+    check_scalar_tensor("adamw_", "grad_scale", grad_scale, device)
+    check_scalar_tensor("adamw_", "found_inf", found_inf, device)
+    check_scalar_tensor("adamw_", "step", step, device)
+    if aliasing:
+        check_no_overlap("adamw_", [("grad_scale", grad_scale, False), ("found_inf", found_inf, False),
+                                    ("step", step, False)] + _named("grads", grads, False)
+                         + _named("params", params, True) + _named("exp_avgs", exp_avgs, True)
+                         + _named("exp_avg_sqs", exp_avg_sqs, True) + _named("copies", copies, True))

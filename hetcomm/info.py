@@ -9,7 +9,7 @@ from hetcomm import _extension
 from hetcomm._version import __version__
 from hetcomm.ops import get_backend
 
-OPS = ("pack", "pack.out", "unpack_", "unscale_", "cast_")
+OPS = ("pack", "pack.out", "unpack_", "unscale_", "cast_", "adamw_")
 # CompositeExplicitAutograd: one kernel for any device; the fallback that names the missing
 # kernel (csrc/ops/no_kernel.cpp and its twin in _python_ops), and a pure-Python install's cast_.
 DISPATCH_KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd")

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from hetcomm import _extension  # noqa: F401  (loads the library that registers the ops)
+from hetcomm import checks
 
-__all__ = ["pack", "unpack_", "unscale_", "cast_", "set_backend", "get_backend", "Backend"]
+__all__ = ["pack", "unpack_", "unscale_", "cast_", "adamw_", "set_backend", "get_backend", "Backend"]
 
 _ops = torch.ops.hetcomm
 
@@ -166,6 +167,37 @@ def cast_(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
     _ops.cast_.default(list(src), list(dst))
 
 
+def adamw_(grads: Sequence[Tensor], params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+           exp_avg_sqs: Sequence[Tensor], copies: Sequence[Tensor] = (), *, grad_scale: Tensor | float = 1.0,
+           found_inf: Tensor | None = None, step: Tensor, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+           eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+    """One AdamW step (torch.optim.AdamW's update, decoupled weight decay) of fp32 master
+    weights in one pass per element: the gradient is read once (any float dtype, times
+    ``grad_scale``), the masters and both moments are updated in place, and the masters'
+    16-bit copies written, with no fp32 gradient buffer in between.
+
+    Args:
+        grads: one gradient per parameter, or one flat 1-D buffer of all their elements
+            in list order (the all-reduced wire buffer).
+        params: contiguous float32 master weights, updated in place.
+        exp_avgs, exp_avg_sqs: their float32 moments (one per parameter), in place.
+        copies: nothing, one tensor per parameter, or one flat 1-D buffer (e.g. a view
+            into an all-gather buffer), any float dtype: the new masters, rounded to
+            nearest-even.
+        grad_scale: 1-element float32 tensor (or a float) the gradient is multiplied by
+            (1 / loss scale, times a clipping coefficient).
+        found_inf: 1-element float32 tensor; when non-zero the step writes nothing.
+        step: 1-element float32 tensor on the params' device: the step count after this
+            step (>= 1), for the bias corrections; the caller increments it only for steps
+            that are not skipped (torch's AdamW state keeps it so too).
+        lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW's.
+    """
+    found_inf = torch.zeros(1, device=_device(params)) if found_inf is None else found_inf
+    _ops.adamw_.default(list(grads), list(params), list(exp_avgs), list(exp_avg_sqs), list(copies),
+                        _scale_tensor(grad_scale, params), found_inf, step, float(lr), float(beta1), float(beta2),
+                        float(eps), float(weight_decay))
+
+
 # Fake (meta) kernels: output shapes and the checks that do not need data, so the
 # ops trace under torch.compile. The real kernels repeat every check with the data.
 
@@ -218,3 +250,10 @@ def _cast_fake(src, dst):
     torch._check(len(src) == len(dst),
                  lambda: f"hetcomm.cast_: src has {len(src)} tensors but dst has {len(dst)}; "
                          f"expected lists of equal length")
+
+
+@torch.library.register_fake("hetcomm::adamw_")
+def _adamw_fake(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1, beta2, eps,
+                weight_decay):
+    checks.check_adamw(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1,
+                       beta2, eps, weight_decay, aliasing=False)

@@ -22,7 +22,7 @@ def test_info_reports_versions_backends_and_kernels():
     assert cuda["compiled"] == bool(cuda["archs"])
     if torch.version.cuda is None:
         assert not cuda["compiled"]
-    for op in ("pack", "pack.out", "unpack_", "unscale_", "cast_"):
+    for op in ("pack", "pack.out", "unpack_", "unscale_", "cast_", "adamw_"):
         assert "CPU" in report["kernels"][op] and "Meta" in report["kernels"][op]
     assert report["devices"][0]["device"] == "cpu"
 
@@ -38,7 +38,7 @@ def test_scalar_cpu_loops_pass_the_op_tests():
     check = subprocess.run([sys.executable, "-c", "import hetcomm; print(hetcomm.info()['backends']['cpu'])"],
                            env=env, capture_output=True, text=True, check=True)
     assert "'scalar'" in check.stdout
-    files = [str(TESTS / f"test_{name}.py") for name in ("pack", "unpack", "unscale", "cast")]
+    files = [str(TESTS / f"test_{name}.py") for name in ("pack", "unpack", "unscale", "cast", "adamw")]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cpu", *files],
                             env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -22,7 +22,7 @@ import hetcomm
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-OPS = ("pack.default", "pack.out", "unpack_.default", "unscale_.default", "cast_.default")
+OPS = ("pack.default", "pack.out", "unpack_.default", "unscale_.default", "cast_.default", "adamw_.default")
 
 # Makes the interpreter look like a pure-Python install: importing hetcomm._C fails
 # as it does when the file is absent.
@@ -87,6 +87,11 @@ def run_ops(inputs: dict) -> dict:
         dst = [torch.empty(t.shape, dtype=dtype) for t in src]
         hetcomm.cast_(src, dst)
         out[f"cast_ to {dtype}"] = dst
+    masters = [t.float() * 0.1 for t in src]
+    avg, sq = [t * 0.01 for t in masters], [t * t * 1e-3 for t in masters]
+    copies = [torch.empty(t.shape, dtype=torch.bfloat16) for t in src]
+    hetcomm.adamw_(src, masters, avg, sq, copies, grad_scale=inv_scale, step=scalar(3.0), lr=1e-3, weight_decay=0.1)
+    out["adamw_"] = [*masters, *avg, *sq, *copies]
     return out
 
 
@@ -101,6 +106,14 @@ BAD_CALLS = {
     "shapes differ": lambda: hetcomm.cast_([torch.randn(3, 2)], [torch.randn(6)]),
     "out aliases src": lambda: (lambda b: hetcomm.pack([b[0:4]], 1.0, out=b[2:6]))(torch.randn(8)),
     "dst aliases flat": lambda: (lambda b: hetcomm.unpack_(b[0:4], [b[3:7]], 1.0, torch.zeros(1)))(torch.randn(8)),
+    "adamw_ NaN lr": lambda: hetcomm.adamw_([torch.randn(3)], [torch.randn(3)], [torch.zeros(3)], [torch.zeros(3)],
+                                            step=scalar(1.0), lr=float("nan")),
+    "adamw_ flat gradient short": lambda: hetcomm.adamw_([torch.randn(4)], [torch.randn(3), torch.randn(2)],
+                                                         [torch.zeros(3), torch.zeros(2)],
+                                                         [torch.zeros(3), torch.zeros(2)], step=scalar(1.0), lr=0.1),
+    "adamw_ copy over master": lambda: (lambda m: hetcomm.adamw_([torch.randn(3)], [m], [torch.zeros(3)],
+                                                                 [torch.zeros(3)], [m], step=scalar(1.0), lr=0.1))(
+        torch.randn(3)),
     # The fallback that runs on a device without a kernel (CUDA tensors under backend="native"
     # in a pure-Python install), called directly: this machine may have no such device.
     "no kernel for the device": lambda: torch.ops.hetcomm.unscale_.default._op_dk(
@@ -146,10 +159,10 @@ print(json.dumps({"warnings": [[w.category.__name__, issubclass(w.category, User
         assert part in message
     assert warned["install"] == "pure-python" and warned["built_with_torch"] is None
     assert warned["isa"] == "none (pure-Python install)"
-    # CPU kernels only, so "auto" sends CUDA tensors to Triton; cast_ runs anywhere.
+    # CPU kernels only, so "auto" sends CUDA tensors to Triton; cast_ and adamw_ run anywhere.
     assert warned["native"] == ["cpu"]
     assert warned["kernels"]["pack"] == ["CPU", "Meta", "CompositeExplicitAutograd"]
-    assert warned["kernels"]["cast_"] == ["Meta", "CompositeExplicitAutograd"]
+    assert warned["kernels"]["cast_"] == warned["kernels"]["adamw_"] == ["Meta", "CompositeExplicitAutograd"]
     assert json.loads(run_pure(code))["warnings"] == []
 
 
@@ -255,7 +268,8 @@ print("ok")
 
 def test_the_cpu_op_tests_pass_on_the_python_ops():
     """The op tests of the compiled install, on the Python-defined ops (as in test_build's scalar run)."""
-    files = [str(TESTS / f"test_{name}.py") for name in ("bad_input", "pack", "unpack", "unscale", "cast", "compile")]
+    files = [str(TESTS / f"test_{name}.py") for name in ("bad_input", "pack", "unpack", "unscale", "cast", "adamw",
+                                                                  "compile")]
     args = ["-q", "-p", "no:cacheprovider", "-k", "cpu or bad_input or compile", *files]
     out = run_pure(f"import pytest\ncode = pytest.main({args!r})\nassert code == 0, code")
     assert " passed" in out and "failed" not in out

@@ -3,6 +3,7 @@
 // selects a device) or tensors on a device this build has no kernel for. Each runs
 // the op's checks, so the user sees the named-argument error, and otherwise says
 // which kernel is missing instead of the dispatcher's generic message.
+#include "ops/adamw_plan.h"
 #include "ops/plans.h"
 
 #include <c10/util/Exception.h>
@@ -42,6 +43,15 @@ void cast_no_kernel(at::TensorList src, at::TensorList dst) {
   no_kernel("cast_", src[0].device());
 }
 
+void adamw_no_kernel(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList copies, const at::Tensor& grad_scale,
+                     const at::Tensor& found_inf, const at::Tensor& step, double lr, double beta1, double beta2,
+                     double eps, double weight_decay) {
+  plan_adamw(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr, beta1, beta2, eps,
+             weight_decay);
+  no_kernel("adamw_", params[0].device());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hetcomm, CompositeExplicitAutograd, m) {
@@ -50,6 +60,7 @@ TORCH_LIBRARY_IMPL(hetcomm, CompositeExplicitAutograd, m) {
   m.impl("unpack_", &unpack_no_kernel);
   m.impl("unscale_", &unscale_no_kernel);
   m.impl("cast_", &cast_no_kernel);
+  m.impl("adamw_", &adamw_no_kernel);
 }
 
 }  // namespace hetcomm

@@ -16,4 +16,12 @@ TORCH_LIBRARY(hetcomm, m) {
   m.def("unscale_(Tensor(a!)[] tensors, Tensor inv_scale, Tensor(b!) found_inf) -> ()");
   // dst[k] = src[k] with a dtype conversion (master weights <-> model weights).
   m.def("cast_(Tensor[] src, Tensor(a!)[] dst) -> ()");
+  // AdamW on fp32 masters (torch.optim.AdamW's update), one pass: g = grads[k] * grad_scale;
+  // params, exp_avgs, exp_avg_sqs updated in place; copies (none, one per parameter, or
+  // one flat buffer) = the new params cast. step: the count after this step, on the
+  // device. found_inf != 0: nothing is written. grads: one per parameter or one flat buffer.
+  m.def(
+      "adamw_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] copies, Tensor grad_scale, Tensor found_inf, Tensor step, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay) -> ()");
 }
