@@ -63,12 +63,19 @@ class StepResult:
     _norm: Tensor = field(repr=False, default=None)
     _params: list = field(repr=False, default_factory=list)
 
+    def clip_coefficient(self, max_norm: float) -> torch.Tensor:
+        """What the gradients must be multiplied by for their global norm to be at most
+        max_norm (torch's clip_grad_norm_ rule), from the norm the reduction computed: a
+        1-element device tensor, for an optimizer that takes it (hetcomm.optim.AdamW's
+        grad_scale) and clips in its own pass."""
+        if not (isinstance(max_norm, numbers.Real) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_: max_norm = {max_norm!r}: expected a finite positive number")
+        return (max_norm / (self._norm + 1e-6)).clamp(max=1.0).reshape(1)
+
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Scales the trained gradients so that their global norm is at most max_norm,
         using the norm the reduction computed (no pass of its own, no host sync)."""
-        if not (isinstance(max_norm, numbers.Real) and math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"clip_grad_norm_: max_norm = {max_norm!r}: expected a finite positive number")
-        coefficient = (max_norm / (self._norm + 1e-6)).clamp(max=1.0).reshape(())
+        coefficient = self.clip_coefficient(max_norm).reshape(())
         torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coefficient)
 
 

@@ -13,8 +13,8 @@ Per optimizer step, on every rank:
   3. reduce: the gradient of the mean loss over all target tokens, with the overflow
      verdict and the global norm (identical on every rank); while the gradients travel,
      the loop picks the next step's split;
-  4. unless an overflow: clip by that norm, AdamW (a 16-bit model's on its fp32 masters,
-     then one fused cast back into the 16-bit weights);
+  4. unless an overflow: clip by that norm and AdamW (a 16-bit model's on its fp32 masters:
+     hetcomm.optim.AdamW, one fused pass that clips and writes the 16-bit weights too);
   5. log (rank 0): every rank's figures travel with the reduction; its reduce and update
      times, known only after it, with the next one, so a line is written one step late.
 """
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetcomm import ops
 from hetcomm.balance import equal_split
 from hetcomm.loop import BalancedLoop, StepResult, agree_precision
 from hetcomm.loop import checkpoint
+from hetcomm.optim import AdamW
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
@@ -51,16 +51,22 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the model's parameters or their fp32 masters, with weight decay on
-    matrices only (not on biases, norms); the fused kernel on CPU and CUDA (a third of
-    the for-loop's time on CPU, one launch on GPUs)."""
+def make_optimizer(params: list[torch.Tensor], config: TrainConfig,
+                   copies: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, or over the fp32 masters of a 16-bit model
+    with their `copies` (the model's weights, in the masters' order), with weight decay
+    on matrices only (not on biases, norms). The masters' is hetcomm.optim.AdamW: one
+    pass from the gradient, times the clipping coefficient, to the 16-bit weight. An
+    fp32 model's is torch's fused kernel on CPU and CUDA (a third of the for-loop's
+    time on CPU, one launch on GPUs)."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if copies is not None:
+        copy_of = dict(zip(map(id, params), copies, strict=True))
+        return AdamW(groups, lr=config.lr, betas=(0.9, 0.95), copies=[copy_of[id(p)] for p in decay + no_decay])
     fused = params[0].device.type in ("cpu", "cuda")
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95),
-                             fused=fused)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused)
 
 
 def run_description(config: TrainConfig, world: int, data_description: str, data_size: int) -> dict:
@@ -126,7 +132,8 @@ class Trainer:
         if dtype is not None and config.weights == "compute":
             self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
             self.model.to(dtype)
-        self.optimizer = make_optimizer(self.trained_params(), config)
+        self.optimizer = make_optimizer(self.trained_params(), config,
+                                        list(self.model.parameters()) if self.masters is not None else None)
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
         speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown),
@@ -211,8 +218,8 @@ class Trainer:
     def train_step(self, step) -> StepResult:
         """One optimizer step of the loop's `step`: the windows' forward and backward
         (the loss summed over their target tokens), the weighted reduction, then unless
-        it found an overflow: clipping by the reduced norm, AdamW (a 16-bit model's on its
-        fp32 masters, then one fused cast back into the 16-bit weights)."""
+        it found an overflow: clipping by the reduced norm and AdamW (a 16-bit model's on its
+        fp32 masters, one fused pass that writes the 16-bit weights too)."""
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, step.number)
         for inputs, targets in step:
@@ -221,11 +228,14 @@ class Trainer:
             step.backward(loss, reduction="sum")
         result = step.reduce()
         if not result.skipped:
-            if self.config.grad_clip > 0:
-                result.clip_grad_norm_(self.config.grad_clip)
-            self.optimizer.step()
             if self.masters is not None:
-                ops.cast_(self.masters, list(self.model.parameters()))
+                # Clipped within the fused step, which writes the 16-bit weights too.
+                clip = result.clip_coefficient(self.config.grad_clip) if self.config.grad_clip > 0 else 1.0
+                self.optimizer.step(grad_scale=clip)
+            else:
+                if self.config.grad_clip > 0:
+                    result.clip_grad_norm_(self.config.grad_clip)
+                self.optimizer.step()
         return result
 
     # --- the run --------------------------------------------------------------------
