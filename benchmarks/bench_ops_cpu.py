@@ -70,8 +70,23 @@ CAST = {
     "torch._foreach_copy_": lambda w: torch._foreach_copy_(w.model16, w.grads),
 }
 
+# adamw_: an AdamW step of fp32 masters from fp16 gradients, writing bf16 copies: per
+# element read the gradient (2) and the master and both moments (12), write those (12)
+# and the copy (2). torch's best route needs the gradient in fp32 first and the copy after.
+ADAMW_HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+ADAMW = {
+    "hetcomm": lambda w: hetcomm.adamw_(w.grads16, w.masters, w.exp_avgs, w.exp_avg_sqs, w.model16,
+                                        grad_scale=w.scale, found_inf=w.found_inf, step=w.step, **ADAMW_HYPER),
+    "foreach_copy_+_fused_adamw_+foreach_copy_": lambda w: (
+        torch._foreach_copy_(w.grads_out, w.grads16),
+        torch._fused_adamw_(w.masters, w.grads_out, w.exp_avgs, w.exp_avg_sqs, [], w.steps, amsgrad=False,
+                            maximize=False, grad_scale=w.inv_scale, found_inf=w.found_inf,
+                            **{k: v for k, v in ADAMW_HYPER.items()}),
+        torch._foreach_copy_(w.model16, w.masters)),
+}
+
 CASES = ([("pack", p, f, 6) for p, f in PACK.items()] + [("unpack_", p, f, 6) for p, f in UNPACK.items()] +
-         [("unscale_", p, f, 8) for p, f in UNSCALE.items()] + [("cast_", p, f, 6) for p, f in CAST.items()])
+         [("unscale_", p, f, 8) for p, f in UNSCALE.items()] + [("cast_", p, f, 6) for p, f in CAST.items()] + [("adamw_", p, f, 28) for p, f in ADAMW.items()])
 
 
 @pytest.mark.parametrize("op, provider, fn, bytes_per_element", CASES,

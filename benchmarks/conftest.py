@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-# Sizes in elements; 4M fits in a server's last-level cache, 64M does not.
-SIZES = {"4M": 4 * 2**20, "64M": 64 * 2**20}
+# Sizes in elements; 4M fits in a server's last-level cache, 16M and 64M do not.
+SIZES = {"4M": 4 * 2**20, "16M": 16 * 2**20, "64M": 64 * 2**20}
 NUM_TENSORS = 100
 
 
@@ -36,6 +36,13 @@ class Workload:
         self.inv_scale = torch.tensor([4.0])
         self.found_inf = torch.zeros(1)
         self.sq_norm = torch.zeros(1)
+        # adamw_: fp32 masters and moments, the 16-bit gradients the wire leaves.
+        self.masters = [g.clone() for g in self.grads]
+        self.exp_avgs = [g * 0.1 for g in self.grads]
+        self.exp_avg_sqs = [g * g * 1e-2 for g in self.grads]
+        self.grads16 = [g.half() for g in self.grads]
+        self.steps = [torch.tensor(10.0) for _ in self.grads]
+        self.step = torch.tensor([10.0])
 
 
 _cache: dict[str, Workload] = {}
@@ -43,7 +50,7 @@ _cache: dict[str, Workload] = {}
 
 @pytest.fixture(params=list(SIZES), scope="module")
 def workload(request):
-    # One size alive at a time keeps peak memory near 2.5 GB at 64M elements.
+    # One size alive at a time keeps peak memory near 4 GB at 64M elements.
     if request.param not in _cache:
         _cache.clear()
         _cache[request.param] = Workload(SIZES[request.param])
