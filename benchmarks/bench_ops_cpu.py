@@ -81,12 +81,13 @@ ADAMW = {
         torch._foreach_copy_(w.grads_out, w.grads16),
         torch._fused_adamw_(w.masters, w.grads_out, w.exp_avgs, w.exp_avg_sqs, [], w.steps, amsgrad=False,
                             maximize=False, grad_scale=w.inv_scale, found_inf=w.found_inf,
-                            **{k: v for k, v in ADAMW_HYPER.items()}),
+                            **ADAMW_HYPER),
         torch._foreach_copy_(w.model16, w.masters)),
 }
 
 CASES = ([("pack", p, f, 6) for p, f in PACK.items()] + [("unpack_", p, f, 6) for p, f in UNPACK.items()] +
-         [("unscale_", p, f, 8) for p, f in UNSCALE.items()] + [("cast_", p, f, 6) for p, f in CAST.items()] + [("adamw_", p, f, 28) for p, f in ADAMW.items()])
+         [("unscale_", p, f, 8) for p, f in UNSCALE.items()] + [("cast_", p, f, 6) for p, f in CAST.items()] +
+         [("adamw_", p, f, 28) for p, f in ADAMW.items()])
 
 
 @pytest.mark.parametrize("op, provider, fn, bytes_per_element", CASES,
