@@ -1,11 +1,11 @@
 """adamw_: the fused AdamW step of fp32 masters, bit-exact with hetcomm.reference.adamw_
-(one fp32 rounding per operation) on every back end that has it, and torch.optim.AdamW's
-update within fp32 rounding. The CPU kernel runs here; test_build reruns these tests on
-the scalar loops."""
+(one fp32 rounding per operation) on every back end that has it (the CPU kernel, the
+CUDA kernel on a GPU and on the emulated sm_61/75/80 GPUs), and torch.optim.AdamW's
+update within fp32 rounding. test_build reruns the cpu cases on the scalar loops."""
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, ODD_SIZES, assert_same_bits, make_tensors, scalar
+from conftest import FLOAT_DTYPES, NATIVE_DEVICES, ODD_SIZES, assert_same_bits, make_tensors, scalar
 
 import hetcomm
 from hetcomm import reference
@@ -24,58 +24,82 @@ def moments(params, seed=1):
 def run_both(grads, params, avg, sq, copies, found_inf=0.0, step=7.0, grad_scale=0.25, hyper=HYPER):
     """The op and the reference on copies of the same inputs; returns both outcomes."""
     outcomes = []
+    device = params[0].device
+    scale, flag, count = scalar(grad_scale, device), scalar(found_inf, device), scalar(step, device)
     for run in (hetcomm.adamw_, None):
         p, a, s = [t.clone() for t in params], [t.clone() for t in avg], [t.clone() for t in sq]
         c = [t.clone() for t in copies]
         if run is None:
-            reference.adamw_(grads, p, a, s, c, scalar(grad_scale), scalar(found_inf), scalar(step), **hyper)
+            reference.adamw_(grads, p, a, s, c, scale, flag, count, **hyper)
         else:
-            run(grads, p, a, s, c, grad_scale=scalar(grad_scale), found_inf=scalar(found_inf), step=scalar(step),
-                **hyper)
+            run(grads, p, a, s, c, grad_scale=scale, found_inf=flag, step=count, **hyper)
         outcomes.append(p + a + s + c)
     return outcomes
 
 
-@pytest.mark.parametrize("copy_dtype", [None, *FLOAT_DTYPES])
-@pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("size", ODD_SIZES)
-def test_adamw_is_its_reference_bit_for_bit_cpu(size, grad_dtype, copy_dtype):
-    shapes = [(size,), (0,), (size, 3), (5,)]
-    params = make_tensors(shapes, torch.float32, "cpu")
-    grads = make_tensors(shapes, grad_dtype, "cpu", seed=3)
-    copies = [] if copy_dtype is None else [torch.empty(s, dtype=copy_dtype) for s in shapes]
+def assert_kernel_is_reference(shapes, grad_dtype, copy_dtype, device):
+    params = make_tensors(shapes, torch.float32, device)
+    grads = make_tensors(shapes, grad_dtype, device, seed=3)
+    copies = [] if copy_dtype is None else [torch.empty(s, dtype=copy_dtype, device=device) for s in shapes]
     fused, expected = run_both(grads, params, *moments(params), copies)
     for got, want in zip(fused, expected, strict=True):
         assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("copy_dtype", [None, *FLOAT_DTYPES])
+@pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("size", ODD_SIZES)
+def test_the_cpu_loops_are_the_reference_bit_for_bit_at_their_edges_cpu(size, grad_dtype, copy_dtype):
+    """Sizes around the 8-wide vector step and across the 32K-element work chunks."""
+    assert_kernel_is_reference([(size,), (0,), (size, 3), (5,)], grad_dtype, copy_dtype, "cpu")
+
+
+@pytest.mark.parametrize("device", NATIVE_DEVICES, indirect=True)
+@pytest.mark.parametrize("copy_dtype", [None, *FLOAT_DTYPES])
+@pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES)
+def test_adamw_is_its_reference_bit_for_bit(device, grad_dtype, copy_dtype):
+    """Across the CUDA kernel's 8192-element chunks, an empty tensor, odd sizes."""
+    assert_kernel_is_reference([(9,), (0,), (8197,), (5, 3)], grad_dtype, copy_dtype, device)
+
+
+@pytest.mark.parametrize("device", ["emu-sm61-shuffled"], indirect=True)
+def test_a_tensor_longer_than_one_segment(device):
+    """The emulated sm_61 cuts tensors into segments of 2^20 elements (as real builds do
+    at 2^30): a tensor of 2^20 + 5 is two table entries."""
+    assert_kernel_is_reference([(2**20 + 5,), (3,)], torch.float16, torch.bfloat16, device)
+
+
+@pytest.mark.parametrize("device", NATIVE_DEVICES, indirect=True)
 @pytest.mark.parametrize("misaligned", [False, True])
-def test_flat_gradient_and_copy_buffers_are_read_and_written_in_list_order_cpu(misaligned):
+def test_flat_gradient_and_copy_buffers_are_read_and_written_in_list_order(device, misaligned):
     shapes = [(9, 7), (1,), (33,), (4, 4)]
-    params = make_tensors(shapes, torch.float32, "cpu", misaligned=misaligned)
-    grads = make_tensors(shapes, torch.float16, "cpu", seed=3)
+    params = make_tensors(shapes, torch.float32, device, misaligned=misaligned)
+    grads = make_tensors(shapes, torch.float16, device, seed=3)
     avg, sq = moments(params)
-    _, expected = run_both(grads, params, avg, sq, [torch.empty(s, dtype=torch.bfloat16) for s in shapes])
+    _, expected = run_both(grads, params, avg, sq,
+                           [torch.empty(s, dtype=torch.bfloat16, device=device) for s in shapes])
     total = sum(p.numel() for p in params)
     # The copy into a view at an offset of a larger buffer: where a shard's copies land
     # in an all-gather buffer.
-    gather = torch.full((total + 10,), -7.0, dtype=torch.bfloat16)
+    gather = torch.full((total + 10,), -7.0, dtype=torch.bfloat16, device=device)
     hetcomm.adamw_([torch.cat([g.flatten() for g in grads])], params, avg, sq, [gather[3:3 + total]],
-                   grad_scale=scalar(0.25), step=scalar(7.0), **HYPER)
+                   grad_scale=scalar(0.25, device), step=scalar(7.0, device), **HYPER)
     for got, want in zip(params + avg + sq, expected[:3 * len(shapes)], strict=True):
         assert_same_bits(got, want)
     assert_same_bits(gather[3:3 + total], torch.cat([c.flatten() for c in expected[3 * len(shapes):]]))
     assert (gather[:3] == -7).all() and (gather[3 + total:] == -7).all()   # nothing written outside the view
 
 
-def test_an_overflow_writes_nothing_cpu():
-    params = make_tensors([(100,), (3, 3)], torch.float32, "cpu")
-    grads = [g.half() for g in make_tensors([(100,), (3, 3)], torch.float32, "cpu", seed=3)]
+@pytest.mark.parametrize("device", NATIVE_DEVICES, indirect=True)
+def test_an_overflow_writes_nothing(device):
+    params = make_tensors([(100,), (3, 3)], torch.float32, device)
+    grads = [g.half() for g in make_tensors([(100,), (3, 3)], torch.float32, device, seed=3)]
     grads[0][5] = float("inf")
     avg, sq = moments(params)
-    copies = [torch.zeros(100, dtype=torch.float16), torch.zeros(3, 3, dtype=torch.float16)]
+    copies = [torch.zeros(s, dtype=torch.float16, device=device) for s in ((100,), (3, 3))]
     before = [t.clone() for t in params + avg + sq + copies]
-    hetcomm.adamw_(grads, params, avg, sq, copies, found_inf=scalar(1.0), step=scalar(3.0), **HYPER)
+    hetcomm.adamw_(grads, params, avg, sq, copies, found_inf=scalar(1.0, device), step=scalar(3.0, device),
+                   **HYPER)
     for got, want in zip(params + avg + sq + copies, before, strict=True):
         assert_same_bits(got, want)
 
@@ -104,14 +128,15 @@ def test_adamw_is_torch_adamw_within_fp32_rounding_cpu():
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_adamw_opcheck_cpu():
-    params = make_tensors([(3, 5), (769,)], torch.float32, "cpu")
-    grads = make_tensors([(3, 5), (769,)], torch.bfloat16, "cpu", seed=2)
+@pytest.mark.parametrize("device", NATIVE_DEVICES, indirect=True)
+def test_adamw_opcheck(device):
+    params = make_tensors([(3, 5), (769,)], torch.float32, device)
+    grads = make_tensors([(3, 5), (769,)], torch.bfloat16, device, seed=2)
     avg, sq = moments(params)
     copies = [torch.empty_like(p, dtype=torch.float16) for p in params]
     torch.library.opcheck(torch.ops.hetcomm.adamw_.default,
-                          (grads, params, avg, sq, copies, scalar(0.5), scalar(0.0), scalar(2.0), 1e-3, 0.9, 0.999,
-                           1e-8, 0.01))
+                          (grads, params, avg, sq, copies, scalar(0.5, device), scalar(0.0, device),
+                           scalar(2.0, device), 1e-3, 0.9, 0.999, 1e-8, 0.01))
 
 
 def bad_calls():

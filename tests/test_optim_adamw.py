@@ -112,9 +112,9 @@ def test_16_bit_parameters_and_amsgrad_are_refused():
 
 
 def test_without_a_kernel_for_the_device_the_steps_are_the_same(monkeypatch):
-    """Where adamw_ has no kernel (CUDA tensors, for now), the optimizer steps through
-    torch's _fused_adamw_ and a cast: the same masters within fp32 rounding, the same
-    copies of them, the same skip."""
+    """Where adamw_ has no kernel (CUDA tensors with a CPU-only build), the optimizer
+    steps through torch's _fused_adamw_ and a cast: the same masters within fp32
+    rounding, the same copies of them, the same skip."""
     from hetcomm.optim import adamw
 
     outcomes = []

@@ -1,8 +1,11 @@
-// CUDA kernels of the hetcomm ops: validate and plan (ops/plans), then run the
-// segment list on the current stream (cuda/multi_tensor_cuda). Scales, found_inf and
-// sq_norm are read and written by the kernels on the device: no host synchronisation.
+// CUDA kernels of the hetcomm ops: validate and plan (ops/plans, ops/adamw_plan), then
+// run the segment list on the current stream (cuda/multi_tensor_cuda, cuda/adamw_cuda).
+// Scales, found_inf, sq_norm and adamw_'s step are read and written by the kernels on
+// the device: no host synchronisation.
+#include "cuda/adamw_cuda.h"
 #include "cuda/hooks.h"
 #include "cuda/multi_tensor_cuda.h"
+#include "ops/adamw_plan.h"
 #include "ops/plans.h"
 
 #include <ATen/ops/empty.h>
@@ -65,6 +68,17 @@ void cast_cuda(at::TensorList src, at::TensorList dst) {
   run_on(src[0].device(), segments, nullptr, Work::kScaleCast);
 }
 
+void adamw_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList copies, const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                const at::Tensor& step, double lr, double beta1, double beta2, double eps, double weight_decay) {
+  const AdamWPlan plan = plan_adamw(grads, params, exp_avgs, exp_avg_sqs, copies, grad_scale, found_inf, step, lr,
+                                    beta1, beta2, eps, weight_decay);
+  const c10::Device device = params[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  run_adamw(plan.segments, plan.hyper, grad_scale.const_data_ptr<float>(), found_inf.const_data_ptr<float>(),
+            step.const_data_ptr<float>(), device.index(), c10::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 }  // namespace
 
 HETCOMM_CUDA_REGISTRATION(m) {
@@ -73,6 +87,7 @@ HETCOMM_CUDA_REGISTRATION(m) {
   m.impl("unpack_", &unpack_cuda);
   m.impl("unscale_", &unscale_cuda);
   m.impl("cast_", &cast_cuda);
+  m.impl("adamw_", &adamw_cuda);
 }
 
 }  // namespace hetcomm::cuda

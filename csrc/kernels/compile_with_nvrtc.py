@@ -33,11 +33,13 @@ DEPRECATION = "nvrtc: warning: Architectures prior to '<compute/sm>_75' are depr
 
 
 def kernel_names() -> list[str]:
-    """Every kernel that csrc/cuda/multi_tensor_cuda.cu instantiates."""
+    """Every kernel that csrc/cuda/multi_tensor_cuda.cu and adamw_cuda.cu instantiate."""
     ns = "hetcomm::kernels"
     names = [f"&{ns}::multi_tensor_kernel<{ns}::{s}, {ns}::{d}, {ns}::Work::{w}, {i}>"
              for s, d, w, i in itertools.product(TYPES, TYPES, WORKS, ITEMS)
              if s == d or w != "kScaleCastCheckInput"]  # unscale_ is in place: one type
+    names += [f"&{ns}::adamw_kernel<{ns}::{g}, {ns}::{c}, {'true' if copy else 'false'}>"
+              for g in TYPES for c, copy in [("F32", False), *((t, True) for t in TYPES)]]
     return names + [f"&{ns}::add_sum_of_squares_kernel"]
 
 
@@ -107,7 +109,8 @@ def compile_for(arch: str) -> tuple[bool, str, int, list[str]]:
     """Compiles every kernel for sm_<arch>; see Nvrtc.compile for the result."""
     cuda_include = wheel_file("nvidia-cuda-runtime-cu12", "cuda_fp16.h").parent
     options = [f"--gpu-architecture=sm_{arch}", "--std=c++17", f"-I{CSRC}", f"-I{cuda_include}"]
-    return Nvrtc(nvrtc_library()).compile('#include "kernels/multi_tensor.cuh"\n', kernel_names(), options)
+    source = '#include "kernels/multi_tensor.cuh"\n#include "kernels/adamw.cuh"\n'
+    return Nvrtc(nvrtc_library()).compile(source, kernel_names(), options)
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@
 // GPU model or the alignment of the data.
 #pragma once
 
+#include "kernels/find_segment.cuh"
 #include "kernels/launch_args.h"
 #include "kernels/numeric.cuh"
 #include "kernels/shared_memory.cuh"
@@ -153,21 +154,6 @@ __device__ __forceinline__ double block_sum(double v, double (&warp_sums)[kWarps
   }
   __syncthreads();  // warp_sums is reused by the caller's next round
   return total;
-}
-
-// The segment holding chunk c: the last one whose first chunk is at or before c.
-__device__ __forceinline__ int find_segment(const SegmentTable& table, int c) {
-  int lo = 0;
-  int hi = table.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.first_chunk[mid] <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
 }
 
 template <typename S, typename D, Work kWork, int kItems>

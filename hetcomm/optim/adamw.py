@@ -116,9 +116,9 @@ class AdamW(torch.optim.Optimizer):
 
     def _step_unfused(self, group: dict, params: list[Tensor], steps: list[Tensor], copies: list[Tensor],
                       grad_scale: Tensor, skip: Tensor) -> None:
-        """The same step where this build has no adamw_ kernel for the device (CUDA, for
-        now): torch's fused AdamW on fp32 gradients (it divides by its grad_scale), then
-        the copies. Within fp32 rounding of adamw_, in three passes."""
+        """The same step where this build has no adamw_ kernel for the device (CUDA tensors
+        with a CPU-only build): torch's fused AdamW on fp32 gradients (it divides by its
+        grad_scale), then the copies. Within fp32 rounding of adamw_, in three passes."""
         beta1, beta2 = group["betas"]
         grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
         torch._fused_adamw_(params, grads, [self.state[p]["exp_avg"] for p in params],

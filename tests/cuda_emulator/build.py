@@ -75,6 +75,7 @@ def common_units(src: Path) -> dict[str, list[str]]:
         "ops_cuda.o": cu + ["-include", "hetemu/registration_prelude.h", str(src / "cuda" / "ops_cuda.cu")],
         "launch_shape.o": cu + [str(src / "cuda" / "launch_shape.cu")],
         "plans.o": [str(src / "ops" / "plans.cpp")],
+        "adamw_plan.o": [str(src / "ops" / "adamw_plan.cpp")],
         "checks.o": [str(src / "ops" / "checks.cpp")],
         "runtime.o": [str(HERE / "src" / "runtime.cpp")],
         "guarded_allocator.o": [str(HERE / "src" / "guarded_allocator.cpp")],
@@ -91,6 +92,8 @@ def device_units(src: Path, name: str, device: Device) -> dict[str, list[str]]:
     return {
         f"{name}/multi_tensor_cuda.o": defines + ["-x", "c++", "-include", "hetemu/kernel_prelude.h",
                                                  str(src / "cuda" / "multi_tensor_cuda.cu")],
+        f"{name}/adamw_cuda.o": defines + ["-DHETEMU_ADAMW_UNIT", "-x", "c++", "-include", "hetemu/kernel_prelude.h",
+                                          str(src / "cuda" / "adamw_cuda.cu")],
         f"{name}/device.o": defines + [str(HERE / "src" / "device.cpp")],
     }
 
@@ -139,7 +142,7 @@ def build() -> dict[str, Path]:
         for name, device in DEVICES.items():
             units.update(device_units(src, name, device))
         # Longest first: the kernel units, then those that include torch's headers.
-        order = sorted(units, key=lambda o: ("multi_tensor" not in o, "ops_cuda" not in o, o))
+        order = sorted(units, key=lambda o: ("multi_tensor" not in o and "adamw_cuda" not in o, "ops_cuda" not in o, o))
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             for job in [pool.submit(compile_one, src, out / o, units[o]) for o in order]:
                 job.result()

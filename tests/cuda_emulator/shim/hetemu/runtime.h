@@ -124,6 +124,14 @@ constexpr int width_or_warp(int width) { return width; }
 // Device functions of the CUDA math and intrinsics headers that the kernels use.
 inline int min(int a, int b) { return a < b ? a : b; }
 
+// Round-to-nearest fp32 arithmetic, each operation rounded once: the emulator is built
+// with -ffp-contract=off, so these plain operators are exactly what the intrinsics are.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+
 inline unsigned int __float_as_uint(float v) {
   unsigned int u;
   std::memcpy(&u, &v, sizeof u);
