@@ -44,9 +44,11 @@ def triton_ops():
 SIZES = {"1M": 2**20, "16M": 16 * 2**20, "256M": 256 * 2**20}
 TENSOR_COUNTS = (100, 1000)
 # Bytes per element that each op must move: every input read once, every output written once.
-BYTES = {"pack": 4 + 2, "unpack_": 2 + 4, "unscale_": 4 + 4, "cast_": 4 + 2, "copy": 4 + 4}
+# adamw_: the fp16 gradient read, the fp32 master and both moments read and written, the bf16 copy written.
+BYTES = {"pack": 4 + 2, "unpack_": 2 + 4, "unscale_": 4 + 4, "cast_": 4 + 2, "adamw_": 2 + 12 + 12 + 2, "copy": 4 + 4}
 # Bytes per element of each op's input: the launch target is one launch per 64 MB of it.
-INPUT_BYTES = {"pack": 4, "unpack_": 2, "unscale_": 4, "cast_": 4}
+INPUT_BYTES = {"pack": 4, "unpack_": 2, "unscale_": 4, "cast_": 4, "adamw_": 14}
+ADAMW_HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
 def tensor_sizes(total: int, count: int) -> list[int]:
@@ -76,6 +78,14 @@ class InputSet:
         self.one = torch.ones(1, device="cuda")  # unscale_ by 1 keeps repeated runs finite
         self.found_inf = torch.zeros(1, device="cuda")
         self.sq_norm = torch.zeros(1, device="cuda")
+        # adamw_: fp32 masters and moments, fp16 gradients (the wire's), a device step count.
+        self.masters = [g.clone() for g in self.grads]
+        self.exp_avgs = [g * 0.1 for g in self.grads]
+        self.exp_avg_sqs = [g * g * 1e-2 for g in self.grads]
+        self.grads16 = [g.half() for g in self.grads]
+        self.steps = [torch.tensor(10.0, device="cuda") for _ in sizes]
+        self.step = torch.full((1,), 10.0, device="cuda")
+        self.inv_scale = torch.full((1,), 4.0, device="cuda")
 
 
 def routes(op: str) -> dict:
@@ -125,6 +135,18 @@ def cuda_and_unfused_routes(op: str) -> dict:
         return {
             "hetcomm": lambda s: ops.cast_(s.grads, s.out16),
             "_foreach_copy_": lambda s: torch._foreach_copy_(s.out16, s.grads),
+        }
+    if op == "adamw_":
+        def unfused_route(s):
+            torch._foreach_copy_(s.out32, s.grads16)
+            torch._fused_adamw_(s.masters, s.out32, s.exp_avgs, s.exp_avg_sqs, [], s.steps, amsgrad=False,
+                                maximize=False, grad_scale=s.inv_scale, found_inf=s.found_inf, **ADAMW_HYPER)
+            torch._foreach_copy_(s.out16, s.masters)
+
+        return {
+            "hetcomm": lambda s: ops.adamw_(s.grads16, s.masters, s.exp_avgs, s.exp_avg_sqs, s.out16,
+                                            grad_scale=s.scale, found_inf=s.found_inf, step=s.step, **ADAMW_HYPER),
+            "foreach_copy_+_fused_adamw_+foreach_copy_": unfused_route,
         }
     if op == "copy":
         return {"copy_": lambda s: s.copy_dst.copy_(s.flat32)}
@@ -231,6 +253,8 @@ def summary(rows: list[dict]) -> list[str]:
         notes = [f"{r['median_ms']:.3f} ms", f"{r['gbps']:.0f} GB/s", f"{r['pct_of_copy']:.0f}% of copy",
                  f"{r['speedup_vs_best_unfused']:.2f}x vs {r['best_unfused']}",
                  f"{r['launches']} launches (target <= {allowed})"]
+        if r["op"] == "adamw_" and r["elements"] >= 16 * 2**20:
+            notes.append("copy target " + ("met" if r["pct_of_copy"] >= 80 else "MISSED"))
         if r["op"] in ("pack", "unpack_"):
             if r["elements"] >= 256 * 2**20:
                 notes.append("copy target " + ("met" if r["pct_of_copy"] >= 80 else "MISSED"))
@@ -247,7 +271,7 @@ def main(argv=None) -> int:
     parser.add_argument("--label", default="native", help="names this build in the results, e.g. native, ptx-7.5")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--tensors", nargs="+", type=int, default=list(TENSOR_COUNTS))
-    parser.add_argument("--ops", nargs="+", default=["pack", "unpack_", "unscale_", "cast_"])
+    parser.add_argument("--ops", nargs="+", default=["pack", "unpack_", "unscale_", "cast_", "adamw_"])
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -76,7 +76,7 @@ check() {
   section "GPU tests ($label)"
   run "tests_$label" "$tree" env PYTHONPATH="$tree" "$PY" -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT/tests_$label.xml" -k "cuda or info" tests/test_cuda_ops.py tests/test_pack.py \
-    tests/test_unpack.py tests/test_unscale.py tests/test_cast.py tests/test_build.py
+    tests/test_unpack.py tests/test_unscale.py tests/test_cast.py tests/test_adamw.py tests/test_build.py
   section "GPU benchmarks ($label)"
   run "bench_$label" "$tree" env PYTHONPATH="$tree" "$PY" benchmarks/bench_ops_cuda.py --out "$OUT" --label "$label"
 }
