@@ -181,8 +181,10 @@ def train_throttled(rank, world, throttle_step):
 def test_a_throttled_rank_is_rebalanced_and_the_gradient_stays_exact(tmp_path):
     losses, weights, splits = values(run_ranks(2, train_throttled, 6, tmp_path=tmp_path))[0]
     assert all(sum(done) == GLOBAL_BATCH for done in splits)
-    before, after = splits[5], splits[-1]
-    assert after[1] < before[1] / 2   # the handoff within step 6, then the rebalancer
+    # The handoff within step 6, then the rebalancer: a tenth of the speed earns about
+    # 16 / 11 samples. Compared with that, not with the split before the throttle, which
+    # wall-clock noise on a loaded machine moves (it was 14/2 once, with 2 tests at a time).
+    assert splits[-1][1] <= GLOBAL_BATCH // 8
     expected_losses, expected = one_process(len(losses))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     for got, want in zip(weights, expected):
@@ -199,7 +201,10 @@ def train_throttled_in_micro_batches(rank, world, throttle_step):
 def test_a_giver_in_micro_batches_keeps_part_of_its_share_and_the_gradient_stays_exact(tmp_path):
     losses, weights, done = values(run_ranks(2, train_throttled_in_micro_batches, 6, tmp_path=tmp_path))[0]
     assert all(sum(d) == GLOBAL_BATCH for d in done)
-    assert 0 < done[6][1] < GLOBAL_BATCH // 2 and done[6][0] > GLOBAL_BATCH // 2   # handed off within step 6
+    # Handed off within step 6, the giver keeping part of its share: compared between the
+    # ranks, not with the equal split, which wall-clock noise on a loaded machine can move
+    # before the throttle.
+    assert 0 < done[6][1] < done[6][0]
     expected_losses, expected = one_process(len(losses))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     for got, want in zip(weights, expected):
