@@ -25,7 +25,7 @@ def unpack_(flat: Tensor, dst: Sequence[Tensor], scale: Tensor, found_inf: Tenso
     non-finite; sq_norm += sum of squares of the written values."""
     offset = 0
     any_nonfinite = False
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
     for t in dst:
         values = (flat[offset:offset + t.numel()].float() * scale.float()).to(t.dtype)
         offset += t.numel()

@@ -13,7 +13,7 @@ from pathlib import Path
 import cuda_emulator
 import pytest
 import torch
-from conftest import CUDA_DEVICES, FLOAT_DTYPES, assert_same_bits, make_tensors, scalar
+from conftest import CUDA_DEVICES, FLOAT_DTYPES, assert_same_bits, make_tensors, scalar, torch_unscale_
 
 from hetcomm import reference
 
@@ -58,7 +58,7 @@ def test_unscale_and_cast_a_list_of_1200_tensors(device, dtype):
     theirs[-1][-1] = float("inf")
     found, their_found = torch.zeros(1, device=device), torch.zeros(1, device=device)
     ops.unscale_(tensors, scalar(0.125, device), found)
-    torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_found, scalar(0.125, device))
+    torch_unscale_(theirs, their_found, scalar(0.125, device))
     assert found.item() == their_found.item() == 1.0
     for got, want in zip(tensors, theirs):
         assert_same_bits(got, want)
@@ -107,7 +107,7 @@ def test_misaligned_views_every_op(device, dtype):
     theirs = [t.clone() for t in src]
     found, their_found = torch.zeros(1, device=device), torch.zeros(1, device=device)
     ops.unscale_(src, scale, found)
-    torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_found, scale)
+    torch_unscale_(theirs, their_found, scale)
     for got, want in zip(src, theirs):
         assert_same_bits(got, want)
 

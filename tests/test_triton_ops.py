@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, assert_same_bits, gpt_parameter_shapes, make_tensors, scalar, special_values
+from conftest import (FLOAT_DTYPES, assert_same_bits, gpt_parameter_shapes, make_tensors, scalar, special_values,
+                      torch_unscale_)
 from test_bad_input import CASES
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -180,7 +181,7 @@ def test_unscale_matches_reference_and_torch(dtype, size):
     inv_scale = scale_of(2**-13)
     hetcomm.unscale_(tensors, inv_scale, found, backend="triton")
     reference.unscale_(expected, inv_scale, ref_found)
-    torch._amp_foreach_non_finite_check_and_unscale_(torch_result, torch_found, inv_scale)
+    torch_unscale_(torch_result, torch_found, inv_scale)
     for got, want, theirs in zip(tensors, expected, torch_result):
         assert_same_bits(got, want)
         assert_same_bits(got, theirs)
@@ -206,7 +207,7 @@ def test_unscale_flags_nonfinite_input(dtype, bad_value):
     torch_result = [t.clone() for t in tensors]
     found, torch_found = zeros(), zeros()
     hetcomm.unscale_(tensors, 0.5, found, backend="triton")
-    torch._amp_foreach_non_finite_check_and_unscale_(torch_result, torch_found, scale_of(0.5))
+    torch_unscale_(torch_result, torch_found, scale_of(0.5))
     assert found.item() == torch_found.item() == 1.0
     for got, theirs in zip(tensors, torch_result):
         assert_same_bits(got, theirs)

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, ODD_SIZES, assert_same_bits, gpt_parameter_shapes, make_tensors, scalar
+from conftest import (DEVICES, FLOAT_DTYPES, ODD_SIZES, assert_same_bits, gpt_parameter_shapes, make_tensors, scalar,
+                      torch_unscale_)
 
 import hetcomm
 from hetcomm import reference
@@ -19,7 +20,7 @@ def test_unscale_matches_reference_and_torch(device, dtype, size):
     inv_scale = scalar(2**-13, device)
     hetcomm.unscale_(tensors, inv_scale, found)
     reference.unscale_(expected, inv_scale, ref_found)
-    torch._amp_foreach_non_finite_check_and_unscale_(torch_result, torch_found, inv_scale)
+    torch_unscale_(torch_result, torch_found, inv_scale)
     for got, want, theirs in zip(tensors, expected, torch_result):
         assert_same_bits(got, want)
         assert_same_bits(got, theirs)
@@ -47,7 +48,7 @@ def test_unscale_flags_nonfinite_input(device, dtype, bad_value):
     torch_result = [t.clone() for t in tensors]
     found, torch_found = torch.zeros(1, device=device), torch.zeros(1, device=device)
     hetcomm.unscale_(tensors, 0.5, found)
-    torch._amp_foreach_non_finite_check_and_unscale_(torch_result, torch_found, scalar(0.5, device))
+    torch_unscale_(torch_result, torch_found, scalar(0.5, device))
     assert found.item() == torch_found.item() == 1.0
     for got, theirs in zip(tensors, torch_result):
         assert_same_bits(got, theirs)
