@@ -79,8 +79,9 @@ def adamw_(grads: Sequence[Tensor], params: Sequence[Tensor], exp_avgs: Sequence
     copies: one tensor per parameter, or one flat buffer of all their elements in order."""
     if found_inf.item() != 0:
         return
-    k = {name: value.to(found_inf.device) for name, value in
-         adamw_constants(lr, beta1, beta2, eps, weight_decay, step.item()).items()}
+    constants = adamw_constants(lr, beta1, beta2, eps, weight_decay, step.item())
+    correction2 = constants["bias_correction2_sqrt"].item()
+    k = {name: value.to(found_inf.device) for name, value in constants.items()}
     grads = _per_parameter(grads, params)
     copies = _per_parameter(copies, params) if len(copies) else [None] * len(params)
     for grad, param, exp_avg, exp_avg_sq, copy in zip(grads, params, exp_avgs, exp_avg_sqs, copies, strict=True):
@@ -91,7 +92,7 @@ def adamw_(grads: Sequence[Tensor], params: Sequence[Tensor], exp_avgs: Sequence
         # (torch.sqrt on fp32 CPU tensors may be off by an ulp: SLEEF); a divisor of full
         # size, as a scalar one may become a multiply by its reciprocal (CUDA).
         root = torch.sqrt(exp_avg_sq.double()).float()
-        denom = root / torch.full_like(exp_avg_sq, k["bias_correction2_sqrt"].item()) + k["eps"]
+        denom = root / torch.full_like(exp_avg_sq, correction2) + k["eps"]
         param.copy_(param * k["decay"] + (exp_avg / denom) * k["neg_step_size"])
         if copy is not None:
             copy.copy_(param.reshape(copy.shape))

@@ -1,7 +1,7 @@
 #include "cuda/adamw_cuda.h"
 
 #include "cuda/hooks.h"
-#include "cuda/launch_shape.h"
+#include "cuda/max_grid.h"
 #include "kernels/adamw.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -71,7 +71,6 @@ void run_adamw(const AdamWSegmentList& segments, const AdamWHyper& hyper, const 
       groups[{segment.grad_type, segment.copy_type}].push_back(&segment);
     }
   }
-  const DeviceLaunch shape = device_launch(device);
   AdamWArgs args{};
   args.grad_scale = grad_scale;
   args.found_inf = found_inf;
@@ -79,16 +78,15 @@ void run_adamw(const AdamWSegmentList& segments, const AdamWHyper& hyper, const 
   args.hyper = hyper;
   for (const auto& [types, members] : groups) {
     const Kernel kernel = select_kernel(types.first, types.second);
-    int resident = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
-    const int max_grid = shape.sm_count * std::max(1, std::min(shape.shape.blocks_per_sm, resident));
+    const int grid = max_grid(kernel, device);
     for (const AdamWSegment* segment : members) {
       const int64_t grad_item = static_cast<int64_t>(c10::elementSize(segment->grad_type));
-      const int64_t copy_item = segment->copy == nullptr ? 0 : static_cast<int64_t>(c10::elementSize(segment->copy_type));
+      const int64_t copy_item =
+          segment->copy == nullptr ? 0 : static_cast<int64_t>(c10::elementSize(segment->copy_type));
       // Tensors longer than kMaxSegmentNumel go in pieces, so that counts fit in 32 bits.
       for (int64_t done = 0; done < segment->numel; done += kMaxSegmentNumel) {
         if (args.table.count == kMaxAdamWSegments) {
-          launch(kernel, args, max_grid, stream);
+          launch(kernel, args, grid, stream);
         }
         const int64_t piece = std::min<int64_t>(kMaxSegmentNumel, segment->numel - done);
         kernels::AdamWTable& table = args.table;
@@ -104,7 +102,7 @@ void run_adamw(const AdamWSegmentList& segments, const AdamWHyper& hyper, const 
         ++table.count;
       }
     }
-    launch(kernel, args, max_grid, stream);
+    launch(kernel, args, grid, stream);
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include "cuda/hooks.h"
 #include "cuda/launch_shape.h"
+#include "cuda/max_grid.h"
 #include "kernels/multi_tensor.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -9,7 +10,6 @@
 
 #include <algorithm>
 #include <map>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -73,23 +73,6 @@ Kernel select_kernel(c10::ScalarType src, c10::ScalarType dst, Work work, int it
     default:
       TORCH_CHECK(false, "hetcomm: unsupported source dtype ", src);
   }
-}
-
-// Blocks of `kernel` one SM can hold at once, known only once the compiler has
-// fixed its register count; cached per device and kernel.
-int resident_blocks(Kernel kernel, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, Kernel>, int> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, kernel);
-  const auto found = cache.find(key);
-  if (found != cache.end()) {
-    return found->second;
-  }
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-  cache.emplace(key, std::max(blocks, 1));
-  return std::max(blocks, 1);
 }
 
 // Fills argument tables with the segments of one dtype pair and launches each table
@@ -170,8 +153,7 @@ void run_segments(const SegmentList& segments, const float* scale, Work work, fl
   args.partials = partials;
   for (const auto& [types, members] : groups) {
     const Kernel kernel = select_kernel(types.first, types.second, work, launch.shape.items_per_thread);
-    const int blocks_per_sm = std::min(launch.shape.blocks_per_sm, resident_blocks(kernel, device));
-    Launcher launcher(kernel, launch.sm_count * blocks_per_sm, stream, args);
+    Launcher launcher(kernel, max_grid(kernel, device), stream, args);
     for (const Segment* segment : members) {
       launcher.add(*segment);
     }
