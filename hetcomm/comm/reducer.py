@@ -165,7 +165,7 @@ class WeightedReducer:
             raise ValueError(f"{self.who}: gather_size must be a non-negative integer; got {gather_size!r}")
         self.gather_size = gather_size
         self.bucket_cap_mb = bucket_cap_mb
-        self.buckets: list[Bucket] = make_buckets(self.params, int(bucket_cap_mb * 2**20), small_first=overlap)
+        self.buckets: list[Bucket] = self._make_buckets()
         self._layout_checked = False
         self._step: _Step | None = None
         self._next_launch = 0
@@ -178,6 +178,9 @@ class WeightedReducer:
                     holders.setdefault(id(p), []).append(index)
             self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, holders[id(p)]))
                            for p in self.params]
+
+    def _make_buckets(self) -> list[Bucket]:
+        return make_buckets(self.params, int(self.bucket_cap_mb * 2**20), small_first=self.overlap)
 
     def reduce(self, weight: float | None = None, *, count: float | None = None, grad_divisor: float | None = None,
                loss_scale: float | Tensor | None = None, gather: Iterable[float] | None = None,
@@ -235,7 +238,7 @@ class WeightedReducer:
                     # The ranks that passed weight= or expected_total= have sent their buckets already:
                     # send as many so that every rank has issued the same collectives and the group
                     # stays usable.
-                    self._abandon([], [launch_all_reduce(self._wire(b), self.group) for b in self.buckets])
+                    self._abandon([], [self._send(b) for b in self.buckets])
                 raise
             self._step = self._new_step(_pack_weight(share, grad_divisor), loss_scale)
             self._step.share = share
@@ -486,6 +489,12 @@ class WeightedReducer:
 
     def _launch_next(self, step: _Step) -> None:
         bucket = self.buckets[self._next_launch]
+        self._prepare_grads(bucket)
+        self._pack(bucket, step.scale)
+        step.works.append(self._send(bucket))
+        self._next_launch += 1
+
+    def _prepare_grads(self, bucket: Bucket) -> None:
         for p in bucket.params:
             # Zeros for a gradient this rank did not produce; contiguous for the kernels and
             # for the ranges of it that buckets take. A parameter spanning buckets is made
@@ -494,6 +503,10 @@ class WeightedReducer:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
-        ops.pack(bucket.grads(), step.scale, out=self._wire(bucket))
-        step.works.append(launch_all_reduce(bucket.wire, self.group))
-        self._next_launch += 1
+
+    def _pack(self, bucket: Bucket, scale: Tensor) -> None:
+        ops.pack(bucket.grads(), scale, out=self._wire(bucket))
+
+    def _send(self, bucket: Bucket):
+        """Launches the bucket's collective (its wire packed)."""
+        return launch_all_reduce(self._wire(bucket), self.group)

@@ -1,0 +1,176 @@
+"""ShardedAdamW: AdamW whose fp32 masters and moments live only on the owner of each
+range, stepped by the fused adamw_ op straight from the reduced 16-bit gradient, the new
+16-bit weights written into the flat weight buffer and all-gathered from there."""
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetcomm import ops
+from hetcomm.comm.collectives import wait
+from hetcomm.optim.adamw import _check_hyper
+from hetcomm.shard.reducer import ShardedReducer
+
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update (decoupled weight decay) over the parameters a
+    ShardedReducer reduces, each rank stepping only its own range.
+
+    Param groups, learning-rate schedulers and per-group hyperparameters work as with
+    any torch optimizer; every trained parameter must be in exactly one group. Each
+    group's step count moves on together on every rank (as hetcomm.optim.AdamW's).
+
+    Call step() after the reducer's reduce(), unless it found an overflow; grad_scale
+    is what the gradient is multiplied by beyond the loss scale (a clipping coefficient,
+    StepResult.clip_coefficient). step() ends with every rank holding the new weights.
+
+    State per rank: for its range only, fp32 masters (not for fp32 weights: the flat
+    weights are the masters) and the two fp32 moments: state_bytes() counts them."""
+
+    def __init__(self, params: Iterable, reducer: ShardedReducer, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        _check_hyper(lr, betas, eps, weight_decay)
+        if not isinstance(reducer, ShardedReducer):
+            raise TypeError(f"ShardedAdamW: reducer must be a hetcomm.shard.ShardedReducer (BalancedLoop(..., "
+                            f"shard=...).reducer); got {type(reducer).__name__}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.reducer = reducer
+        flat = reducer.flat
+        self.flat = flat
+        group_of = self._group_of_each_parameter()
+        start, stop = reducer.range
+        self.range = (start, stop)
+        device = flat.device
+        self.masters = None if flat.dtype == torch.float32 else flat.weights[start:stop].float()
+        self.exp_avg = torch.zeros(stop - start, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(stop - start, dtype=torch.float32, device=device)
+        self.steps = [torch.zeros(1, dtype=torch.float32, device=device) for _ in self.param_groups]
+        # This rank's range cut at the parameters' ends (for their groups) and the buckets' (for the wire).
+        cuts = sorted({start, stop, *(a for a, _, _ in reducer.reduced_range()), *flat.offsets})
+        self._pieces: list[list[tuple[int, int]]] = [[] for _ in self.param_groups]
+        for a, b in zip(cuts, cuts[1:]):
+            if start <= a and b <= stop:
+                self._pieces[group_of[flat.pieces(a, b)[0].index]].append((a, b))
+
+    def _group_of_each_parameter(self) -> list[int]:
+        index_of = {id(p): i for i, p in enumerate(self.flat.params)}
+        group_of: list[int | None] = [None] * len(self.flat.params)
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                i = index_of.get(id(p))
+                if i is None:
+                    raise ValueError(f"ShardedAdamW: param group {g} holds a tensor of shape {tuple(p.shape)} that "
+                                     f"the reducer does not reduce; pass the trained parameters of its model")
+                group_of[i] = g
+        missing = [i for i, g in enumerate(group_of) if g is None]
+        if missing:
+            raise ValueError(f"ShardedAdamW: trained parameters {missing[:8]} are in no param group; every "
+                             f"parameter the reducer reduces must be in one (their state is sharded with it)")
+        return group_of
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "reducer", None) is not None:
+            raise RuntimeError("ShardedAdamW: param groups are fixed at construction (the sharded state is cut by "
+                               "them)")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: Tensor | float = 1.0, found_inf: Tensor | None = None):
+        """Steps this rank's range of every group and all-gathers the new weights.
+        grad_scale: a 1-element float32 tensor or a float (a clipping coefficient).
+        found_inf: a 1-element float32 tensor; when non-zero nothing changes."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        device = self.flat.device
+        if not isinstance(grad_scale, Tensor):
+            if not math.isfinite(grad_scale):
+                raise ValueError(f"ShardedAdamW.step: grad_scale = {grad_scale!r}: expected a finite number")
+            grad_scale = torch.full((1,), float(grad_scale), device=device)
+        scale = self.reducer.reduced_scale() * grad_scale.to(device=device, dtype=torch.float32).reshape(1)
+        skip = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device).reshape(1)
+        wires = self.reducer.reduced_range()
+        start = self.range[0]
+        for group, pieces, count in zip(self.param_groups, self._pieces, self.steps):
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            count.add_(1.0 - (skip != 0).float())
+            if not pieces:
+                continue
+            grads = [_slice_of(wires, a, b) for a, b in pieces]
+            local = [(a - start, b - start) for a, b in pieces]
+            weights = [self.flat.weights[a:b] for a, b in pieces]
+            masters = weights if self.masters is None else [self.masters[a:b] for a, b in local]
+            beta1, beta2 = group["betas"]
+            ops.adamw_(grads, masters, [self.exp_avg[a:b] for a, b in local], [self.exp_avg_sq[a:b] for a, b in local],
+                       [] if self.masters is None else weights, grad_scale=scale, found_inf=skip, step=count,
+                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        self.all_gather()
+        return loss
+
+    def all_gather(self) -> None:
+        """Every rank gets every owner's weights: one broadcast per bucket of the flat
+        weights from its owner, in the forward's order."""
+        reducer = self.reducer
+        works = [(b, dist.broadcast(self.flat.weights[b.start:b.stop], src=reducer._owners[b.owner],
+                                    group=reducer.group, async_op=True))
+                 for b in sorted(reducer.buckets, key=lambda b: b.start)]
+        for bucket, work in works:
+            wait(work, reducer.timeout, f"ShardedAdamW: the all-gather of elements {bucket.start}-{bucket.stop} from "
+                                        f"rank {bucket.owner}")
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps (its range's masters and moments)."""
+        kept = [self.exp_avg, self.exp_avg_sq] + ([self.masters] if self.masters is not None else [])
+        return sum(t.numel() * t.element_size() for t in kept)
+
+    def shard_state(self) -> dict[str, Tensor]:
+        """This rank's range of the state, by name (hetcomm.shard.checkpoint saves it)."""
+        state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.masters is not None:
+            state["master"] = self.masters
+        return state
+
+    def load_shard_state(self, state: dict[str, Tensor]) -> None:
+        """Takes this rank's range of the state (as shard_state() gives it, of any layout
+        that was resharded to this rank's range) and writes the masters' 16-bit values
+        into the weights, so that every rank's weights follow the masters."""
+        size = self.range[1] - self.range[0]
+        for name, tensor in self.shard_state().items():
+            given = state.get(name)
+            if given is None or given.numel() != size:
+                raise ValueError(f"ShardedAdamW.load_shard_state: {name} holds "
+                                 f"{None if given is None else given.numel()} elements; this rank's range has {size}")
+            tensor.copy_(given.reshape(-1))
+        if self.masters is not None:
+            self.flat.weights[self.range[0]:self.range[1]].copy_(self.masters)
+        self.all_gather()
+
+    def state_dict(self) -> dict:
+        """The hyperparameters and step count of each group (the same on every rank); the
+        ranged tensors are in shard_state()."""
+        groups = [{key: value for key, value in group.items() if key != "params"} | {"step": count.item()}
+                  for group, count in zip(self.param_groups, self.steps)]
+        return {"param_groups": groups, "total": self.flat.total}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or state_dict.get("total") != self.flat.total:
+            raise ValueError(f"ShardedAdamW.load_state_dict: the state has {len(groups)} groups over "
+                             f"{state_dict.get('total')} elements; this optimizer {len(self.param_groups)} over "
+                             f"{self.flat.total}")
+        for group, saved, count in zip(self.param_groups, groups, self.steps):
+            group.update({key: value for key, value in saved.items() if key != "step"})
+            count.fill_(float(saved["step"]))
+
+
+def _slice_of(wires: list[tuple[int, int, Tensor]], a: int, b: int) -> Tensor:
+    for start, stop, wire in wires:
+        if start <= a and b <= stop:
+            return wire[a - start:b - start]
+    raise AssertionError(f"elements {a}-{b} are in none of this rank's buckets")
