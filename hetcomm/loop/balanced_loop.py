@@ -21,6 +21,9 @@ from hetcomm.comm.collectives import gather_floats
 from hetcomm.loop.agreement import agree_precision, check_same_parameters, check_same_values
 from hetcomm.loop.batches import load_batch
 from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
+from hetcomm.shard import FlatParameters, ShardedReducer
+from hetcomm.shard.layout import bytes_needed
+from hetcomm.shard.spec import Shard, agree_layout, probe_state_memory
 
 BALANCE = ("dynamic", "static", "equal")
 
@@ -82,6 +85,12 @@ class BalancedLoop:
             same; state_dict records it, and load_state_dict refuses a state taken on
             other data (regenerated or edited under the same name, with the same length)
             unless data_changed=True.
+        shard: a hetcomm.shard.Shard: keep the optimizer state (fp32 masters, AdamW's
+            moments) only on the owner of each range of the parameters, ranges sized by
+            each rank's memory; the trained parameters (one dtype: a 16-bit model's own
+            weights, no master_params) and their gradients become views of flat buffers.
+            Step with hetcomm.shard.ShardedAdamW(groups, loop.reducer, ...), passing
+            step.clip_coefficient(max_norm) as its grad_scale.
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
             stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
             the stretch paid after each leaf module's forward and each gradient.
@@ -95,7 +104,7 @@ class BalancedLoop:
                  loss_scale: float = 2.0**12, items_per_sample: int | None = None,
                  master_params: Sequence[torch.Tensor] | None = None, seed: int = 0,
                  data_fingerprint: str | None = None, simulated_speed=None, timeout: timedelta | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, shard: Shard | None = None):
         if not dist.is_initialized():
             raise RuntimeError("BalancedLoop: torch.distributed is not initialised; call dist.init_process_group "
                                "first (torchrun sets up its environment)")
@@ -127,9 +136,14 @@ class BalancedLoop:
             # Before the reducer's own gradient hooks, which run after these: a bucket leaves once
             # the stretch of its gradients is paid, as on a slower device.
             _stretch_as_it_goes(model, params, lambda: self.settle_now())
-        self.reducer = WeightedReducer(params, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
-                                       master_params=self.masters, timeout=timeout, gather_size=len(GATHERED),
-                                       overlap=bool(overlap))
+        self.flat: FlatParameters | None = None
+        if shard is not None:
+            self.reducer = self._sharded_reducer(shard, params, probe_forward, wire_dtype, bucket_cap_mb, timeout,
+                                                 overlap)
+        else:
+            self.reducer = WeightedReducer(params, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
+                                           master_params=self.masters, timeout=timeout, gather_size=len(GATHERED),
+                                           overlap=bool(overlap))
         self.last_total: float | None = None   # the last step's items over all ranks
         # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
         scaled = torch.tensor([float(wire_dtype == torch.float16 or self.precision == "fp16")])
@@ -163,6 +177,39 @@ class BalancedLoop:
         self.update_started: float | None = None
         self.stop_requested = False           # this rank was asked to stop (a signal handler may set it)
         self.stop_agreed = False              # some rank was: every rank stops after the same step
+
+    def _sharded_reducer(self, shard, params, probe_forward, wire_dtype, bucket_cap_mb, timeout, overlap):
+        """The trained parameters flattened, the ranks' ranges agreed (the memory probed
+        on GPUs after one micro-batch's forward and backward) and their reducer."""
+        if not isinstance(shard, Shard):
+            raise TypeError(f"BalancedLoop: shard must be a hetcomm.shard.Shard; got {type(shard).__name__}")
+        if self.masters is not None:
+            raise ValueError("BalancedLoop: shard keeps the fp32 masters itself, on their owners; pass no "
+                             "master_params (a 16-bit model's weights are what is sharded)")
+        self.flat = FlatParameters(params, "BalancedLoop")
+        bucket_elements = max(1, int(bucket_cap_mb * 2**20) // self.flat.dtype.itemsize)
+
+        def probe() -> int:
+            step = None
+            if probe_forward is not None:
+                def step():
+                    with torch.random.fork_rng(devices=[self.device]), self.autocast():
+                        loss = probe_forward(self.load([i % len(self.dataset) for i in range(shard.micro_batch)]))
+                    loss.backward()
+            memory = probe_state_memory(self.device, step)
+            self.flat.zero_grads()
+            return memory
+
+        layout = agree_layout(shard, self.flat, bucket_elements, "BalancedLoop", probe)
+        return ShardedReducer(self.flat, layout, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
+                              timeout=timeout, gather_size=len(GATHERED), overlap=bool(overlap))
+
+    def zero_grads(self) -> None:
+        """Zeros the trained gradients before a step (keeping a sharded loop's flat views)."""
+        if self.flat is not None:
+            self.flat.zero_grads()
+        else:
+            self.model.zero_grad(set_to_none=True)
 
     # --- the user's side -------------------------------------------------------------
 
@@ -355,13 +402,18 @@ class BalancedLoop:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             cap = probe_memory(step, self.device, self.global_batch).cap
         del held
-        self.model.zero_grad(set_to_none=True)
+        self.zero_grads()
         return cap
 
     def memory_held_by_training(self) -> int:
         """Bytes that training allocates on the device beyond the model and its gradients,
         none of them before the first step: AdamW's two fp32 moments per trained element,
         the masters' fp32 gradients, the reducer's wire buffers."""
+        if self.flat is not None:   # the state of this rank's range, and a wire of its own if the dtypes differ
+            start, stop = self.reducer.range
+            wire = 0 if self.reducer.in_place else self.flat.total * self.reducer.wire_dtype.itemsize
+            bucket = max((b.numel for b in self.reducer.buckets), default=0)
+            return bytes_needed(stop - start, self.flat.dtype, bucket) + wire
         elements = sum(p.numel() for p in self.trained_params)
         return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
 

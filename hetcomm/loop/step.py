@@ -61,7 +61,7 @@ class StepResult:
     ranks: list[RankRow]
     handoff: handoff.Handoff | None   # the plan by which a straggler handed samples off, if any
     _norm: Tensor = field(repr=False, default=None)
-    _params: list = field(repr=False, default_factory=list)
+    _params: list | None = field(repr=False, default_factory=list)   # None: sharded
 
     def clip_coefficient(self, max_norm: float) -> torch.Tensor:
         """What the gradients must be multiplied by for their global norm to be at most
@@ -75,6 +75,9 @@ class StepResult:
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Scales the trained gradients so that their global norm is at most max_norm,
         using the norm the reduction computed (no pass of its own, no host sync)."""
+        if self._params is None:
+            raise RuntimeError("clip_grad_norm_: a sharded loop's gradients are reduced onto their owners; pass "
+                               "step.clip_coefficient(max_norm) to ShardedAdamW.step(grad_scale=...) instead")
         coefficient = self.clip_coefficient(max_norm).reshape(())
         torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coefficient)
 
@@ -123,7 +126,7 @@ class LoopStep:
         self._state = "iterating"
         loop = self.loop
         loop._close_update()
-        loop.model.zero_grad(set_to_none=True)
+        loop.zero_grads()
         if loop.time_first_step:
             yield from self._first_step_in_parts()
         else:
@@ -224,7 +227,7 @@ class LoopStep:
         batch, world = loop.global_batch, loop.world
         share = batch // world
         yield from self._run([i % len(loop.dataset) for i in range(max(1, share // 8))], timed=False)
-        loop.model.zero_grad(set_to_none=True)
+        loop.zero_grads()
         self.loss_sum, self.count, self.timed_first = 0.0, 0, True
         first = yield from self._run(loop.sampler.take([1] * world))
         singles = [row[0] for row in gather_floats([first])]
@@ -419,7 +422,8 @@ class LoopStep:
         loop.update_started = time.perf_counter()
         return StepResult(self.number, skipped, result.grad_norm.item(),
                           sum(r.loss_sum for r in rows) / items if items else math.nan, self.scale, self.split,
-                          self.regime, rows, self.handed_off, result.grad_norm, loop.trained_params)
+                          self.regime, rows, self.handed_off, result.grad_norm,
+                          None if loop.flat is not None else loop.trained_params)
 
 
 def _checked_count(count):

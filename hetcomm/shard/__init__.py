@@ -6,6 +6,7 @@ from hetcomm.shard.flat import FlatParameters
 from hetcomm.shard.layout import ShardLayout, layout_by_memory, layout_from_sizes
 from hetcomm.shard.optimizer import ShardedAdamW
 from hetcomm.shard.reducer import ShardedReducer
+from hetcomm.shard.spec import Shard
 
-__all__ = ["FlatParameters", "ShardLayout", "ShardedAdamW", "ShardedReducer", "layout_by_memory",
+__all__ = ["FlatParameters", "Shard", "ShardLayout", "ShardedAdamW", "ShardedReducer", "layout_by_memory",
            "layout_from_sizes"]

@@ -1,0 +1,93 @@
+"""What a training loop asks of sharding (Shard), and the ranks' agreement on the
+layout: from memory given per rank, probed on each GPU, or explicit ranges."""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetcomm.comm.collectives import control_device
+from hetcomm.shard.flat import FlatParameters
+from hetcomm.shard.layout import ShardLayout, layout_by_memory, layout_from_sizes
+
+# What a probe leaves unclaimed of a GPU's free memory: the allocator's fragmentation and
+# the transient buffers of a step (measured peaks move by a few percent between steps).
+PROBE_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard the optimizer state across the ranks (BalancedLoop(..., shard=Shard(...))).
+
+    Args:
+        memory: bytes each rank has left for the sharded state (fp32 masters and AdamW's
+            moments of its range), in rank order, the same list on every rank. None: on
+            GPUs, each rank measures its own after the model, its gradients and one
+            micro-batch's activations; CPU ranks must be given it.
+        ranges: instead of memory, the elements each rank owns, in rank order, adding up
+            to the model's trained elements.
+        micro_batch: the samples of the micro-batch whose activations a probe leaves room
+            for; the memory caps probed afterwards fit what the state leaves.
+    """
+
+    memory: Sequence[int] | None = None
+    ranges: Sequence[int] | None = None
+    micro_batch: int = 1
+
+    def __post_init__(self):
+        if self.memory is not None and self.ranges is not None:
+            raise ValueError("Shard: pass memory= or ranges=, not both")
+        if self.memory is not None and any(isinstance(m, bool) or not isinstance(m, (int, float))
+                                           or not math.isfinite(m) or m < 0 for m in self.memory):
+            raise ValueError(f"Shard: memory = {list(self.memory)!r}: expected bytes per rank, finite and "
+                             f"non-negative")
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"Shard: micro_batch = {self.micro_batch!r}: expected a positive integer")
+
+
+def probe_state_memory(device: torch.device, step: Callable[[], None] | None) -> int:
+    """Bytes this GPU has left for the sharded state once `step` (one micro-batch's
+    forward and backward) has run: what is free, less the step's peak beyond what it
+    leaves allocated, less PROBE_MARGIN."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if step is not None:
+        step()
+        torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - before
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, int((1 - PROBE_MARGIN) * (free + cached)) - activations)
+
+
+def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: str,
+                 probe: Callable[[], int] | None = None) -> ShardLayout:
+    """The layout every rank computes alike: from shard.ranges, shard.memory (checked the
+    same on every rank), or every rank's probe() gathered. Errors are raised on every
+    rank alike, before any step."""
+    world = dist.get_world_size()
+    given = shard.ranges if shard.ranges is not None else shard.memory
+    if given is not None:
+        if len(given) != world:
+            name = "ranges" if shard.ranges is not None else "memory"
+            raise ValueError(f"{who}: shard.{name} has {len(given)} entries for {world} ranks; expected one per rank")
+        # MAX of (x, -x): every rank learns the largest and the smallest, and judges alike.
+        mine = torch.tensor([float(v) for v in given], dtype=torch.float64)
+        bounds = torch.cat([mine, -mine]).to(control_device(None))
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if not torch.equal(bounds[:world].cpu(), -bounds[world:].cpu()):
+            raise ValueError(f"{who}: shard.{'ranges' if shard.ranges is not None else 'memory'} differs between "
+                             f"ranks (this rank: {list(given)}); every rank must pass the same list")
+        if shard.ranges is not None:
+            return layout_from_sizes(list(shard.ranges), flat.total, who)
+        memory = [int(m) for m in given]
+    else:
+        if flat.device.type != "cuda" or probe is None:
+            raise ValueError(f"{who}: shard.memory is needed on {flat.device.type} ranks (bytes each rank has left "
+                             f"for its range of the optimizer state); only GPUs are probed")
+        memory = [0] * world
+        dist.all_gather_object(memory, probe())
+    return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who)
