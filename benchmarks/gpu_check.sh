@@ -8,7 +8,9 @@
 #      tree for TORCH_CUDA_ARCH_LIST="7.5+PTX": the GPU then runs the legacy-targeted
 #      build through its compute_75 PTX, JIT-compiled by the driver; tests and benchmarks
 #      again, labelled "ptx-7.5";
-#   5. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
+#   5. benchmarks/gpu_shard.py: the sharded optimizer state on emulated 11 GB cards (state
+#      bytes, step time, the memory probe; four ranks on the one GPU as 11/11/11/32 GB);
+#   6. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
 #      the largest BERT micro-batch on emulated 12 and 16 GB cards against the planner's
 #      cap (needs transformers; it stops starting cases 30 s before the budget ends, and
 #      when the budget's timeout cuts a case short it still writes the cases measured).
@@ -20,6 +22,9 @@
 # scratch folder and pack that into one archive under the tool's $OUT:
 #
 #   BUDGET_S=540 OUT=/tmp/gc bash benchmarks/gpu_check.sh; tar czf "$OUT/gpu_check.tgz" -C /tmp/gc .
+#
+# PARTS (default "tests bench ptx shard max_batch") names the steps to run after the
+# native build, e.g. PARTS="tests shard" when device time is short.
 #
 # Exit status: 0 when every build and test passed (benchmark targets are reported, not
 # enforced), 1 otherwise.
@@ -35,6 +40,8 @@ LOG="$OUT/gpu_check.log"
 START=$(date +%s)
 FAILED=()
 
+PARTS=${PARTS:-tests bench ptx shard max_batch}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 remaining() { echo $((BUDGET_S - ($(date +%s) - START))); }
 section() { printf '\n=== %s (%ss elapsed)\n' "$1" "$(($(date +%s) - START))" | tee -a "$LOG"; }
 
@@ -73,10 +80,12 @@ check() {
     FAILED+=("import $label")
     return 1
   fi
+  want tests || want bench || return 0
   section "GPU tests ($label)"
-  run "tests_$label" "$tree" env PYTHONPATH="$tree" "$PY" -m pytest -q -p no:cacheprovider \
+  want tests && run "tests_$label" "$tree" env PYTHONPATH="$tree" "$PY" -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT/tests_$label.xml" -k "cuda or info" tests/test_cuda_ops.py tests/test_pack.py \
     tests/test_unpack.py tests/test_unscale.py tests/test_cast.py tests/test_adamw.py tests/test_build.py
+  want bench || return 0
   section "GPU benchmarks ($label)"
   run "bench_$label" "$tree" env PYTHONPATH="$tree" "$PY" benchmarks/bench_ops_cuda.py --out "$OUT" --label "$label"
 }
@@ -98,7 +107,12 @@ cat "$OUT/environment.txt" | tee -a "$LOG"
 
 check "$ROOT" native "$CAPABILITY"
 
-if (("${CAPABILITY/./}" > 86)); then
+if want shard; then
+  section "sharded state on emulated cards"
+  run shard "$ROOT" env PYTHONPATH="$ROOT" "$PY" benchmarks/gpu_shard.py --out "$OUT"
+fi
+
+if want ptx && (("${CAPABILITY/./}" > 86)); then
   # At least ~3 minutes for a second build, the tests and the benchmarks.
   if (($(remaining) < 180)); then
     echo "skipped the 7.5+PTX build: $(remaining)s left" | tee -a "$LOG"
@@ -113,7 +127,7 @@ if (("${CAPABILITY/./}" > 86)); then
   fi
 fi
 
-if (($(remaining) >= ${MAX_BATCH_MIN_S:-150})); then
+if want max_batch && (($(remaining) >= ${MAX_BATCH_MIN_S:-150})); then
   section "largest micro-batch on emulated cards"
   run max_batch "$ROOT" env PYTHONPATH="$ROOT" "$PY" benchmarks/gpu_max_batch.py --out "$OUT" \
     --budget-s "$(($(remaining) - 30))"

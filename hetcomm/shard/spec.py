@@ -58,9 +58,14 @@ def probe_state_memory(device: torch.device, step: Callable[[], None] | None) ->
         step()
         torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - before
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, int((1 - PROBE_MARGIN) * (free + cached)) - activations)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    available = free + reserved - torch.cuda.memory_allocated(device)
+    # A process held to part of the card (set_per_process_memory_fraction: a smaller card
+    # emulated, or a GPU shared by several jobs) may allocate up to that part only.
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    available = min(available, int(fraction * total) - torch.cuda.memory_allocated(device))
+    return max(0, int((1 - PROBE_MARGIN) * available) - activations)
 
 
 def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: str,
