@@ -80,20 +80,25 @@ def save(directory: Path, step: int, state: dict, keep: int = 3) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, step)
-    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=TEMPORARY_PREFIX, suffix=".tmp")
+    write_verified(path, {"step": step, **state}, FORMAT)
+    for old in checkpoints(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def write_verified(path: Path, content: dict, format: int) -> None:
+    """Writes content with its format and digests to `path`, atomically: a temporary file
+    in the same directory, flushed to disk, then renamed."""
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX, suffix=".tmp")
     try:
         with os.fdopen(descriptor, "wb") as f:
-            content = {"step": step, **state}
-            torch.save({"format": FORMAT, **content, "digests": digests(content)}, f)
+            torch.save({"format": format, **content, "digests": digests(content)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    for old in checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
-    return path
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -119,13 +124,7 @@ def load(path: Path, expected: dict, finite: tuple[str, ...] = ("model",)) -> di
     describes (every difference named), every tensor's digest as written, a step that
     is a non-negative integer, and no inf/NaN in the float tensors under `finite`."""
     path = Path(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except Exception as error:  # any unpickling or format error means the file cannot be trusted
-        first = (str(error).splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{path}: not a readable hetcomm checkpoint ({type(error).__name__}: {first})") from None
+    state = read(path)
     if not isinstance(state, dict) or state.get("format") not in READABLE or "run" not in state \
             or "digests" not in state:
         raise CheckpointError(f"{path}: not a hetcomm checkpoint of format {' or '.join(map(str, READABLE))}")
@@ -133,9 +132,41 @@ def load(path: Path, expected: dict, finite: tuple[str, ...] = ("model",)) -> di
                    for key, value in expected.items() if state["run"].get(key) != value]
     if differences:
         raise CheckpointError(f"{path}: the checkpoint belongs to another run configuration; " + "; ".join(differences))
+    verify_digests(path, state, tensors_only=state["format"] == 3)   # format 3's digests cover the tensors only
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: step {step!r} is not a non-negative integer")
+    for part in finite:
+        for name, tensor in _tensors(state.get(part, {}), part):
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{path}: {name} holds inf or NaN values")
+    return state
+
+
+def read(path: Path, mmap: bool = False):
+    """torch.load(weights_only=True) of a checkpoint file, any failure a CheckpointError;
+    with mmap, tensors are read from the file only when touched."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except Exception as error:  # any unpickling or format error means the file cannot be trusted
+        first = (str(error).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: not a readable hetcomm checkpoint ({type(error).__name__}: {first})") from None
+
+
+def verify_digests(path: Path, state: dict, tensors_only: bool = False, values_only: bool = False) -> None:
+    """Takes the digests out of `state` and raises CheckpointError, naming what differs,
+    unless every tensor and the values that are not tensors hold what was written
+    (values_only: only those values, no tensor's bytes read)."""
     written = state.pop("digests")
-    found = digests({k: v for k, v in state.items() if k != "format"})
-    if state["format"] == 3:   # its digests cover the tensors only
+    content = {k: v for k, v in state.items() if k != "format"}
+    if values_only:
+        written = {NON_TENSORS: written.get(NON_TENSORS)}
+        found = {NON_TENSORS: hashlib.sha256(repr(_skeleton(content)).encode()).hexdigest()}
+    else:
+        found = digests(content)
+    if tensors_only:
         found = {name: digest for name, digest in found.items() if name != NON_TENSORS}
     for name in sorted(set(written) | set(found)):
         if written.get(name) != found.get(name):
@@ -146,14 +177,6 @@ def load(path: Path, expected: dict, finite: tuple[str, ...] = ("model",)) -> di
             what = "is missing" if name not in found else "was not written" if name not in written else \
                 "does not hold what was written (damaged or edited)"
             raise CheckpointError(f"{path}: tensor {name} {what}")
-    step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{path}: step {step!r} is not a non-negative integer")
-    for part in finite:
-        for name, tensor in _tensors(state.get(part, {}), part):
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise CheckpointError(f"{path}: {name} holds inf or NaN values")
-    return state
 
 
 def newest_valid(directory: Path, expected: dict) -> tuple[dict | None, Path | None, list[str]]:
