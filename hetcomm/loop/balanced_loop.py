@@ -270,26 +270,39 @@ class BalancedLoop:
     def load_state_dict(self, state: dict, *, data_changed: bool = False) -> None:
         """Continues exactly where state_dict() was taken (same ranks, data and batch).
         A state taken on data of another fingerprint is refused unless `data_changed`
-        (the data was changed on purpose); one without a fingerprint is not compared."""
-        if len(state["rng"]) != self.world:
-            raise ValueError(f"BalancedLoop.load_state_dict: the state is of {len(state['rng'])} ranks; this run has "
-                             f"{self.world}")
+        (the data was changed on purpose); one without a fingerprint is not compared.
+
+        On another number of ranks (a card removed or added) the data continues where it
+        was, with the step, the loss scale and the data order; the new cluster is timed
+        afresh (its first step in parts, or the equal steps), as the old split and speed
+        estimates were of other ranks, and ranks past the old world keep their own
+        random streams."""
         taken_on = state.get("data_fingerprint")
         if taken_on is not None and self.data_fingerprint is not None and taken_on != self.data_fingerprint \
                 and not data_changed:
             raise ValueError(f"BalancedLoop.load_state_dict: the state was taken on data of fingerprint {taken_on!r}; "
                              f"this loop's dataset has {self.data_fingerprint!r}: its content changed. Pass "
                              f"data_changed=True to continue on it anyway")
-        self.sampler.load_state_dict(state["sampler"])
-        self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
-        self.split = tuple(int(b) for b in state["split"])
+        same_world = len(state["rng"]) == self.world
+        sampler = dict(state["sampler"])
+        if not same_world:
+            sampler["sizes"] = list(self.fixed_split or equal_split(self.global_batch, self.world))
+        self.sampler.load_state_dict(sampler)
         self.step = int(state["step"])
         self.last_total = state.get("last_total")
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"][self.rank])
-        if self.device.type == "cuda" and state.get("cuda_rng") and state["cuda_rng"][self.rank] is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"][self.rank], self.device)
+        if self.rank < len(state["rng"]):
+            torch.set_rng_state(state["rng"][self.rank])
+            if self.device.type == "cuda" and state.get("cuda_rng") and state["cuda_rng"][self.rank] is not None:
+                torch.cuda.set_rng_state(state["cuda_rng"][self.rank], self.device)
+        if not same_world:
+            self.split = tuple(sampler["sizes"])
+            self.equal_steps = self.step + self.equal_steps if self.equal_steps else 0
+            self.time_first_step = not self.fixed_split and self.balance != "equal" and self.equal_steps == 0
+            return
+        self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
+        self.split = tuple(int(b) for b in state["split"])
         # A checkpoint of an older version holds check shares, which meant something else: learn them anew.
         self.forward_share.recent = [float(r) for r in state.get("forward_shares", [[]] * self.world)[self.rank]]
         self.time_first_step = False

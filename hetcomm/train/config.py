@@ -4,6 +4,7 @@ before any process starts, so that bad input is one clear message and nothing ru
 import argparse
 import math
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +50,9 @@ class TrainConfig:
     overlap: bool = True          # send the gradients' buckets during the last backward
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
+    # sharding
+    shard: bool = False           # keep the optimizer state only on each range's owner, ranges sized by memory
+    state_memory: str | None = None   # bytes per rank left for that state; default: probed on GPUs, host's on CPUs
     # the cluster
     nproc: int | None = None
     device: str = "auto"          # auto: cuda if available, else cpu
@@ -124,6 +128,15 @@ def parser() -> argparse.ArgumentParser:
     bal.add_argument("--memory-caps", help="largest micro-batch per rank, e.g. 16,16,8,4 (more becomes gradient "
                                            "accumulation); default: found on GPUs by running the real step at "
                                            "growing sizes, none on CPUs")
+    shard = p.add_argument_group("sharding (models larger than the smallest card)")
+    shard.add_argument("--shard", action="store_true",
+                       help="keep the optimizer state (fp32 masters, AdamW's moments) only on the rank that owns each "
+                            "range of the weights, ranges sized by each rank's memory; every rank keeps the weights "
+                            "and gradients (16-bit when computing in 16-bit)")
+    shard.add_argument("--state-memory",
+                       help="with --shard: bytes each rank has left for its range of the state, e.g. 9G,9G,9G,28G "
+                            "(suffixes K, M, G); default: measured on GPUs after one window's forward and backward, "
+                            "the host's available memory shared equally on CPUs")
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
     cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
@@ -191,6 +204,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
         parse_caps(config.memory_caps, world_size)
     if config.split is not None:
         parse_split(config.split, world_size, config.global_batch)
+    if config.state_memory is not None:
+        if not config.shard:
+            raise ValueError("--state-memory sizes the ranges of --shard; add --shard or leave it out")
+        parse_state_memory(config.state_memory, world_size)
     if config.wire == "bfloat16" and config_device_is_cpu(config):
         raise ValueError("--wire bfloat16 needs NCCL (GPUs): the Gloo backend of CPU runs cannot all-reduce "
                          "bfloat16; use --wire float16 or float32")
@@ -281,3 +298,17 @@ def parse_split(text: str, world_size: int, global_batch: int) -> tuple[int, ...
         raise ValueError(f"--split {text!r}: expected {world_size} non-negative counts adding up to --global-batch "
                          f"{global_batch}")
     return split
+
+
+BYTE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_state_memory(text: str, world_size: int) -> list[int]:
+    """--state-memory: bytes per rank, each a number with an optional K, M, G or T suffix."""
+    def to_bytes(part: str) -> int:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)i?B?\s*", part, re.IGNORECASE)
+        if match is None:
+            raise ValueError(part)
+        return int(float(match.group(1)) * BYTE_SUFFIXES[match.group(2).upper()])
+
+    return parse_per_rank("--state-memory", text, world_size, to_bytes, "9G,9G,9G,28G")

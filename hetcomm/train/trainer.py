@@ -20,6 +20,7 @@ Per optimizer step, on every rank:
 """
 
 import math
+import os
 import signal
 import socket
 import threading
@@ -35,7 +36,9 @@ from hetcomm.balance import equal_split
 from hetcomm.loop import BalancedLoop, StepResult, agree_precision
 from hetcomm.loop import checkpoint
 from hetcomm.optim import AdamW
-from hetcomm.train.config import TrainConfig, parse_caps, parse_split
+from hetcomm.shard import Shard, ShardedAdamW
+from hetcomm.shard import checkpoint as shard_checkpoint
+from hetcomm.train.config import TrainConfig, parse_caps, parse_split, parse_state_memory
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
 from hetcomm.train.model import GPT, GPTConfig
@@ -51,6 +54,13 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def param_groups(params: list[torch.Tensor], config: TrainConfig) -> list[dict]:
+    """Weight decay on matrices only (not on biases, norms)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def make_optimizer(params: list[torch.Tensor], config: TrainConfig,
                    copies: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """AdamW over the model's parameters, or over the fp32 masters of a 16-bit model
@@ -59,9 +69,8 @@ def make_optimizer(params: list[torch.Tensor], config: TrainConfig,
     pass from the gradient, times the clipping coefficient, to the 16-bit weight. An
     fp32 model's is torch's fused kernel on CPU and CUDA (a third of the for-loop's
     time on CPU, one launch on GPUs)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = param_groups(params, config)
+    decay, no_decay = groups[0]["params"], groups[1]["params"]
     if copies is not None:
         copy_of = dict(zip(map(id, params), copies, strict=True))
         return AdamW(groups, lr=config.lr, betas=(0.9, 0.95), copies=[copy_of[id(p)] for p in decay + no_decay])
@@ -70,8 +79,10 @@ def make_optimizer(params: list[torch.Tensor], config: TrainConfig,
 
 
 def run_description(config: TrainConfig, world: int, data_description: str, data_size: int) -> dict:
-    """What a checkpoint must match to be resumed by this run."""
-    return {"world_size": world, "global_batch": config.global_batch, "block_size": config.block_size,
+    """What a checkpoint must match to be resumed by this run. A sharded run's state is
+    resharded on load: it resumes on another number of ranks."""
+    ranks = {"sharded": True} if config.shard else {"world_size": world}
+    return {**ranks, "global_batch": config.global_batch, "block_size": config.block_size,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "seed": config.seed,
             "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps}
 
@@ -129,11 +140,11 @@ class Trainer:
         # the reducer unpacks the gradient into and one fused cast copies back each step.
         self.masters: list[torch.nn.Parameter] | None = None
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
+        # Sharded, the fp32 masters live on their ranges' owners (hetcomm.shard.ShardedAdamW).
         if dtype is not None and config.weights == "compute":
-            self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
+            if not config.shard:
+                self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
             self.model.to(dtype)
-        self.optimizer = make_optimizer(self.trained_params(), config,
-                                        list(self.model.parameters()) if self.masters is not None else None)
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
         speed = SimulatedSpeed(rank, speeds[rank], tuple(parse_slowdown(s, world) for s in config.slowdown),
@@ -154,7 +165,14 @@ class Trainer:
             probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
             loss_scale=config.loss_scale, items_per_sample=config.block_size, master_params=self.masters,
             seed=config.seed, data_fingerprint=self.data_fingerprint["sha256"], simulated_speed=speed,
-            timeout=timedelta(seconds=config.timeout), overlap=config.overlap)
+            timeout=timedelta(seconds=config.timeout), overlap=config.overlap,
+            shard=self._shard(world, device) if config.shard else None)
+        if config.shard:
+            self.optimizer = ShardedAdamW(param_groups(list(self.model.parameters()), config), self.loop.reducer,
+                                          lr=config.lr, betas=(0.9, 0.95))
+        else:
+            self.optimizer = make_optimizer(self.trained_params(), config,
+                                            list(self.model.parameters()) if self.masters is not None else None)
         self.reducer = self.loop.reducer
         self.caps = self.loop.caps
         self.speed = speed
@@ -172,6 +190,7 @@ class Trainer:
             if not config.resume:
                 for old in checkpoint.checkpoints(config.out):
                     old.unlink()
+                shard_checkpoint.remove_unkept(config.out)
             self.log = RunLog(config.out, {"config": config.to_dict(), "run": self.description,
                                            "vocab_size": self.data.vocab_size, "ranks": ranks,
                                            "memory_caps": self.caps, "simulated": self.simulated},
@@ -181,6 +200,18 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.loop.step
+
+    def _shard(self, world: int, device: torch.device) -> Shard:
+        """--state-memory, or on GPUs the memory each rank measures, or on CPUs the host's
+        available memory shared by its ranks."""
+        if self.config.state_memory is not None:
+            return Shard(memory=parse_state_memory(self.config.state_memory, world))
+        if device.type == "cuda":
+            return Shard()
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host = torch.tensor([available], dtype=torch.float64)
+        dist.all_reduce(host, op=dist.ReduceOp.MIN)   # ranks may share a host: each takes a world's share
+        return Shard(memory=[int(host.item()) // world] * world)
 
     def _summed_loss(self, batch) -> torch.Tensor:
         inputs, targets = batch
@@ -208,10 +239,16 @@ class Trainer:
         else:
             mine = {"device": "cpu", "capability": None}
         mine.update(host=socket.gethostname(), speed=self.speed.speed, precision=self.precision,
-                    weights="16-bit, fp32 masters" if self.masters is not None else "fp32")
+                    weights=self._weights_description())
         ranks = [None] * self.world
         dist.all_gather_object(ranks, mine)
         return ranks
+
+    def _weights_description(self) -> str:
+        if self.config.shard:
+            sixteen = self.loop.flat.dtype != torch.float32
+            return f"{'16-bit' if sixteen else 'fp32'}, state sharded ({self.optimizer.state_bytes():,} bytes here)"
+        return "16-bit, fp32 masters" if self.masters is not None else "fp32"
 
     # --- one step -------------------------------------------------------------------
 
@@ -228,7 +265,7 @@ class Trainer:
             step.backward(loss, reduction="sum")
         result = step.reduce()
         if not result.skipped:
-            if self.masters is not None:
+            if self.masters is not None or self.config.shard:
                 # Clipped within the fused step, which writes the 16-bit weights too.
                 clip = result.clip_coefficient(self.config.grad_clip) if self.config.grad_clip > 0 else 1.0
                 self.optimizer.step(grad_scale=clip)
@@ -352,14 +389,27 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes the checkpoint; sharded, every rank first writes its range of
+        the optimizer state beside it, and the checkpoint itself comes only once every
+        range is on disk."""
         self._complete_log()
         loop_state = self.loop.state_dict()
+        sharded = {}
+        if self.config.shard:
+            flat, (start, stop) = self.loop.flat, self.loop.reducer.range
+            shard_checkpoint.save_range(self.config.out, self.step, self.rank, self.world, start, stop, flat.total,
+                                        flat.digest(), self.optimizer.shard_state())
+            dist.barrier()
+            sharded = {"shard": {"bounds": list(self.loop.reducer.layout.bounds), "digest": flat.digest()}}
         if self.rank == 0:
             checkpoint.save(self.config.out, self.step,
                             {"run": {**self.description, "data_sha256": self.data_fingerprint["sha256"]},
                              "model": self._model_state(),
                              "optimizer": self.optimizer.state_dict(), "loop": loop_state,
-                             "phases": [[p.name, p.step_seconds] for p in self.phases]}, keep=self.config.keep)
+                             "phases": [[p.name, p.step_seconds] for p in self.phases], **sharded},
+                            keep=self.config.keep)
+            if self.config.shard:
+                shard_checkpoint.remove_unkept(self.config.out)
         dist.barrier()
 
     @property
@@ -378,5 +428,27 @@ class Trainer:
                 for name, master in zip(names, self.masters):
                     master.copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.config.shard:
+            self._resume_shard(Path(path).parent, state)
         self.loop.load_state_dict(state["loop"], data_changed=self.config.data_changed)
         self.phases = [Phase(name, list(seconds)) for name, seconds in state["phases"]]
+
+    def _resume_shard(self, directory: Path, state: dict) -> None:
+        """This rank's range of the optimizer state, read from the ranges the checkpoint's
+        ranks wrote, whatever their number and sizes. A rank that cannot read it stops
+        every rank with its reason, before any collective of the run."""
+        flat, (start, stop) = self.loop.flat, self.loop.reducer.range
+        problem = ""
+        try:
+            saved = state.get("shard") or {}
+            if saved.get("digest") != flat.digest():
+                raise checkpoint.CheckpointError(f"the checkpoint's sharded state is of parameter layout "
+                                                 f"{saved.get('digest')!r}, this run's model {flat.digest()!r}")
+            tensors = shard_checkpoint.load_range(directory, state["step"], start, stop, flat.total, flat.digest())
+        except checkpoint.CheckpointError as error:
+            problem = f"rank {self.rank}: {error}"
+        problems = [""] * self.world
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise checkpoint.CheckpointError("; ".join(p for p in problems if p))
+        self.optimizer.load_shard_state(tensors)
