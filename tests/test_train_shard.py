@@ -99,3 +99,12 @@ def test_a_sharded_run_resumes_bit_for_bit_and_on_fewer_ranks(tmp_path):
     for name in ("master", "exp_avg", "exp_avg_sq"):
         assert torch.equal(joined([r[1] for r in three], name), joined([r[1] for r in again], name))
     assert len(three[0][0]) == 3 and all(torch.isfinite(torch.tensor(three[0][0])))
+    # A damaged range stops every rank, each naming the file, before any step.
+    damaged = saved / "checkpoint-00000003.range-2-of-4.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    refused = run_ranks(3, resumed, replace(sharded_config(tmp_path, world=3, split="4,5,7"),
+                                            out=str(tmp_path / "refused")), checkpoint, tmp_path=tmp_path / "r")
+    for outcome in refused:
+        assert outcome.get("type") == "CheckpointError" and "range-2-of-4.pt" in outcome["message"], outcome

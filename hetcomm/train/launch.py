@@ -103,6 +103,11 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
                   f"(same global batch, same gradient)")
     print(f"  ideal bound from the measured speeds: {summary['ideal_step_s']:.3f} s of compute per step; "
           f"final split {'/'.join(map(str, summary['final_split']))}")
+    if summary.get("shard"):
+        shard = summary["shard"]
+        print(f"  optimizer state sharded by memory: ranks own {'/'.join(f'{n:,}' for n in shard['elements'])} of "
+              f"{sum(shard['elements']):,} elements, keeping {'/'.join(f'{b:,}' for b in shard['state_bytes'])} "
+              f"bytes of state (unsharded, each would keep {shard['unsharded_state_bytes']:,})")
     handoffs = [s for s in steps if s.get("handoff")]
     if handoffs:
         listed = ", ".join(str(s["step"]) for s in handoffs[:10]) + (", ..." if len(handoffs) > 10 else "")

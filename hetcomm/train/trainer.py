@@ -38,6 +38,7 @@ from hetcomm.loop import checkpoint
 from hetcomm.optim import AdamW
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard import checkpoint as shard_checkpoint
+from hetcomm.shard.layout import state_bytes_per_element
 from hetcomm.train.config import TrainConfig, parse_caps, parse_split, parse_state_memory
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
@@ -380,7 +381,13 @@ class Trainer:
         ideal = batch / sum(throughputs)
         equal = max(b / s for b, s in zip(equal_split(batch, self.world), throughputs))
         phases = {p.name: {"steps": len(p.step_seconds), "median_step_s": p.median()} for p in self.phases}
-        return {"simulated": self.simulated, "steps": self.step, "seconds": seconds,
+        shard = None
+        if self.config.shard:
+            sizes = self.loop.reducer.layout.sizes()
+            per = state_bytes_per_element(self.loop.flat.dtype)
+            shard = {"elements": sizes, "state_bytes": [n * per for n in sizes],
+                     "unsharded_state_bytes": self.loop.flat.total * per}
+        return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "shard": shard,
                 "probe_s": self.loop.first_timing_seconds, "phases": phases,
                 "final_split": list(self.loop.split),
                 "estimated_samples_per_second": throughputs,
