@@ -7,10 +7,10 @@ torch.cuda.set_per_process_memory_fraction (one process per emulated card):
      each allocates, the step time of each (median of a few steps), the largest GPT-2 of
      the presets that trains in each, and what the memory probe reports against what is
      free once the model, its gradients and a micro-batch's activations are in;
-  2. four ranks on the one GPU (NCCL), emulating 11/11/11/32 GB cards: gpt2-774m, whose
-     unsharded state (16.4 GiB) fits none of the 11 GB cards, trained sharded with the
-     ranges the probe sizes: state bytes per rank and step time. NCCL may refuse several
-     ranks on one device; the refusal is reported.
+  2. with --four-ranks, four ranks on the one GPU (NCCL), emulating 11/11/11/32 GB cards:
+     gpt2-774m, whose unsharded state (16.4 GiB) fits none of the 11 GB cards, trained
+     sharded with the ranges the probe sizes. NCCL 2.28.9 refused several ranks on one
+     device ("Duplicate GPU detected"), so this waits for four GPUs.
 
 The H200 is not a legacy card: these figures check the sharded path on CUDA and its
 memory accounting, not a legacy cluster's speed.
@@ -19,6 +19,7 @@ memory accounting, not a legacy cluster's speed.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -39,6 +40,10 @@ from hetcomm.loop.launch import free_port
 from hetcomm.train.model import GPT, GPTConfig
 
 GB = 10**9
+# What NCCL 2.28.9 (torch 2.11, H200) answered on 2026-12-04 to four ranks on one GPU.
+FOUR_RANKS_REFUSED = ("NCCL refuses several ranks on one GPU (NCCL 2.28.9 on 2026-12-04: 'ncclInvalidUsage: "
+                      "Duplicate GPU detected : rank 2 and rank 0 both on CUDA device'); four cards are needed, "
+                      "or --four-ranks to try again")
 SEQ = 1024
 SHAPES = {"gpt2-124m": (12, 12, 768), "gpt2-350m": (24, 16, 1024), "gpt2-774m": (36, 20, 1280),
           "gpt2-1.5b": (48, 25, 1600)}
@@ -66,6 +71,7 @@ def train(name: str, sharded: bool, world: int, rank: int, steps: int, split) ->
     """Steps of the 16-bit GPT at micro-batch 1 on this rank's emulated card."""
     device = torch.device("cuda", 0)
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)   # what an earlier case left (nothing, after collect())
     torch.manual_seed(0)   # every rank builds the same weights
     model = make_model(name, device)
     masters = None if sharded else [p.detach().float().clone() for p in model.parameters()]
@@ -100,7 +106,8 @@ def train(name: str, sharded: bool, world: int, rank: int, steps: int, split) ->
     return {"model": name, "sharded": sharded, "rank": rank, "elements": sum(p.numel() for p in model.parameters()),
             "state_bytes": state, "range": list(loop.reducer.range) if sharded else None,
             "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0],
-            "peak_allocated": torch.cuda.max_memory_allocated(device), "last_loss": result.loss}
+            "peak_allocated": torch.cuda.max_memory_allocated(device) - before, "left_before": before,
+            "last_loss": result.loss}
 
 
 def rank_main(rank, world, port, card_gb, cases, out):
@@ -119,6 +126,9 @@ def rank_main(rank, world, port, card_gb, cases, out):
         except Exception as error:  # reported, not raised: the next case still runs
             results.append({"model": name, "sharded": sharded, "rank": rank, "error": repr(error)[:300],
                             "traceback": traceback.format_exc()[-2000:]})
+        # The loop's gradient hooks and the model form reference cycles: collect them, or the
+        # next case would start with this one's tensors still allocated.
+        gc.collect()
         torch.cuda.empty_cache()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -145,27 +155,34 @@ def run_world(card_gb, cases, deadline_s: float) -> list[list[dict]] | str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--four-ranks", action="store_true", help="try the four ranks on one GPU (NCCL refuses)")
     add_out_arguments(parser)
     args = parser.parse_args()
     name = torch.cuda.get_device_name(0)
-    one = run_world([11], [(m, s, args.steps) for m in ("gpt2-124m", "gpt2-350m", "gpt2-774m") for s in (False, True)],
-                    deadline_s=240)
-    four = run_world([11, 11, 11, 32], [("gpt2-774m", True, args.steps)], deadline_s=180)
+    # One process per case: what a case leaves allocated (the loop's hooks and NCCL's work
+    # objects hold tensors past gc.collect()) would shrink the next one's card.
+    one = []
+    for model in ("gpt2-124m", "gpt2-350m", "gpt2-774m"):
+        for sharded in (False, True):
+            found = run_world([11], [(model, sharded, args.steps)], deadline_s=150)
+            one.append(found[0][0] if isinstance(found, list) else {"model": model, "sharded": sharded,
+                                                                      "error": found})
+    one = [one]
+    four = run_world([11, 11, 11, 32], [("gpt2-774m", True, args.steps)], deadline_s=180) if args.four_ranks \
+        else FOUR_RANKS_REFUSED
     lines = [f"Sharded state on {name} (sm_{''.join(map(str, torch.cuda.get_device_capability(0)))}; NOT a legacy "
              f"card: correctness and memory accounting of the CUDA path), torch {torch.__version__}, fp16 weights, "
              f"fp16 wire, micro-batch 1 x {SEQ} tokens, {args.steps} steps (median step past the first).", ""]
     lines += ["## One emulated 11 GB card (NCCL, one rank)", "",
               "| model | state | state bytes | peak allocated GB | step s | result |", "|---|---|---|---|---|---|"]
-    for row in (one[0] if isinstance(one, list) else []):
+    for row in one[0]:
         kind = "sharded" if row["sharded"] else "unsharded (fp32 masters)"
         if "error" in row:
             lines.append(f"| {row['model']} | {kind} | | | | {row['error']} |")
         else:
             lines.append(f"| {row['model']} | {kind} | {row['state_bytes']:,} | {row['peak_allocated'] / GB:.2f} | "
                          f"{row['step_s']:.3f} | loss {row['last_loss']:.3f} |")
-    if isinstance(one, str):
-        lines.append(f"failed: {one}")
     lines += ["", "## Four ranks on the one GPU, emulating 11/11/11/32 GB cards (NCCL)", ""]
     if isinstance(four, str):
         lines.append(f"not run: {four}")

@@ -17,7 +17,7 @@ from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistribu
 from hetcomm.balance.handoff import ForwardShare
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
-from hetcomm.comm.collectives import gather_floats
+from hetcomm.comm.collectives import control_device, gather_floats
 from hetcomm.loop.agreement import agree_precision, check_same_parameters, check_same_values
 from hetcomm.loop.batches import load_batch
 from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
@@ -146,7 +146,8 @@ class BalancedLoop:
                                            overlap=bool(overlap))
         self.last_total: float | None = None   # the last step's items over all ranks
         # One loss scale for all ranks: needed if the wire or any rank computes in fp16.
-        scaled = torch.tensor([float(wire_dtype == torch.float16 or self.precision == "fp16")])
+        scaled = torch.tensor([float(wire_dtype == torch.float16 or self.precision == "fp16")],
+                              device=control_device(None))   # NCCL reduces CUDA tensors only
         dist.all_reduce(scaled, op=dist.ReduceOp.MAX)
         self.scaler = DynamicLossScaler(scale=loss_scale, growth_interval=200) if scaled.item() else None
         self.fixed_split = _check_fixed_split(split, self.world, global_batch)

@@ -47,6 +47,7 @@ class FlatParameters:
         self.total = self.offsets[-1]
         self.weights = torch.empty(self.total, dtype=self.dtype, device=self.device)
         self.grads = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+        self._grad_views = [self.grads[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         with torch.no_grad():
             for p, view in zip(params, self.weight_views()):
                 view.copy_(p.detach())
@@ -56,18 +57,13 @@ class FlatParameters:
     def weight_views(self) -> list[Tensor]:
         return [self.weights[a:b].view(p.shape) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
 
-    def grad_view(self, index: int) -> Tensor:
-        a, b = self.offsets[index], self.offsets[index + 1]
-        return self.grads[a:b].view(self.params[index].shape)
-
     def attach_grads(self) -> None:
-        """Points every .grad at its view, keeping the values of one that was replaced."""
-        for i, p in enumerate(self.params):
+        """Points every .grad at its view, keeping the values of one that was replaced.
+        An identity check per parameter: it runs at every step."""
+        for p, view in zip(self.params, self._grad_views):
             grad = p.grad
-            if grad is not None and grad.data_ptr() == self.grads.data_ptr() + self.offsets[i] * grad.element_size() \
-                    and grad.shape == p.shape and grad.is_contiguous():
+            if grad is view:
                 continue
-            view = self.grad_view(i)
             if grad is None:
                 view.zero_()
             else:

@@ -51,11 +51,24 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.exp_avg_sq = torch.zeros(stop - start, dtype=torch.float32, device=device)
         self.steps = [torch.zeros(1, dtype=torch.float32, device=device) for _ in self.param_groups]
         # This rank's range cut at the parameters' ends (for their groups) and the buckets' (for the wire).
-        cuts = sorted({start, stop, *(a for a, _, _ in reducer.reduced_range()), *flat.offsets})
-        self._pieces: list[list[tuple[int, int]]] = [[] for _ in self.param_groups]
+        wires = reducer.reduced_range()
+        cuts = sorted({start, stop, *(a for a, _, _ in wires), *flat.offsets})
+        pieces: list[list[tuple[int, int]]] = [[] for _ in self.param_groups]
         for a, b in zip(cuts, cuts[1:]):
             if start <= a and b <= stop:
-                self._pieces[group_of[flat.pieces(a, b)[0].index]].append((a, b))
+                pieces[group_of[flat.pieces(a, b)[0].index]].append((a, b))
+        # Per group, the views adamw_ takes, made once: the step is one call per group.
+        self._views = [self._views_of(group_pieces, wires) for group_pieces in pieces]
+
+    def _views_of(self, pieces: list[tuple[int, int]], wires) -> dict[str, list[Tensor]]:
+        start = self.range[0]
+        local = [(a - start, b - start) for a, b in pieces]
+        weights = [self.flat.weights[a:b] for a, b in pieces]
+        return {"grads": [_slice_of(wires, a, b) for a, b in pieces],
+                "params": weights if self.masters is None else [self.masters[a:b] for a, b in local],
+                "exp_avgs": [self.exp_avg[a:b] for a, b in local],
+                "exp_avg_sqs": [self.exp_avg_sq[a:b] for a, b in local],
+                "copies": [] if self.masters is None else weights}
 
     def _group_of_each_parameter(self) -> list[int]:
         index_of = {id(p): i for i, p in enumerate(self.flat.params)}
@@ -95,21 +108,16 @@ class ShardedAdamW(torch.optim.Optimizer):
             grad_scale = torch.full((1,), float(grad_scale), device=device)
         scale = self.reducer.reduced_scale() * grad_scale.to(device=device, dtype=torch.float32).reshape(1)
         skip = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device).reshape(1)
-        wires = self.reducer.reduced_range()
-        start = self.range[0]
-        for group, pieces, count in zip(self.param_groups, self._pieces, self.steps):
+        moved = 1.0 - (skip != 0).float()
+        for group, views, count in zip(self.param_groups, self._views, self.steps):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            count.add_(1.0 - (skip != 0).float())
-            if not pieces:
+            count.add_(moved)
+            if not views["grads"]:
                 continue
-            grads = [_slice_of(wires, a, b) for a, b in pieces]
-            local = [(a - start, b - start) for a, b in pieces]
-            weights = [self.flat.weights[a:b] for a, b in pieces]
-            masters = weights if self.masters is None else [self.masters[a:b] for a, b in local]
             beta1, beta2 = group["betas"]
-            ops.adamw_(grads, masters, [self.exp_avg[a:b] for a, b in local], [self.exp_avg_sq[a:b] for a, b in local],
-                       [] if self.masters is None else weights, grad_scale=scale, found_inf=skip, step=count,
-                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+            ops.adamw_(views["grads"], views["params"], views["exp_avgs"], views["exp_avg_sqs"], views["copies"],
+                       grad_scale=scale, found_inf=skip, step=count, lr=group["lr"], beta1=beta1, beta2=beta2,
+                       eps=group["eps"], weight_decay=group["weight_decay"])
         self.all_gather()
         return loss
 

@@ -109,7 +109,8 @@ class ShardedReducer(WeightedReducer):
         return super()._wire(bucket)
 
     def _prepare_grads(self, bucket: ShardBucket) -> None:
-        self.flat.attach_grads()
+        if self._next_launch == 0:   # once a step, before its first bucket
+            self.flat.attach_grads()
 
     def _pack(self, bucket: ShardBucket, scale: Tensor) -> None:
         if self.in_place:
