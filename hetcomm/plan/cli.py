@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                      help="fused: torch's F.gelu, one kernel (the default); composite: x*0.5*(1+erf(x/sqrt(2))) in "
                           "elementwise ops, as BERT's code had it before transformers 2.x, which keeps two more "
                           "4h-wide tensors per layer for backward (memory only; the step time counts one kernel)")
+    job.add_argument("--shard", action="store_true",
+                     help="the optimizer state (fp32 masters, AdamW's moments) sharded by each card's memory, as "
+                          "hetcomm train --shard keeps it: every card in, and the largest GPT-2 and BERT that fit with "
+                          "and without")
     job.add_argument("--overlap", action="store_true", help="buckets all-reduced during backward "
                                                             "(WeightedReducer overlap=True)")
     model = p.add_argument_group("the model of speed and memory")
@@ -133,8 +137,39 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
                                attention=args.attention or ("eager" if model.kind == "bert" else "fused"),
                                gelu=args.gelu)
     plan = make_plan(members, model, seq, global_batch, in_node=in_node, between_nodes=between, wire=args.wire,
-                     overlap=args.overlap, memory_fraction=args.memory_fraction)
+                     overlap=args.overlap, memory_fraction=args.memory_fraction, shard=args.shard)
     return plan, profile
+
+
+def largest_models(args, catalog: Catalog, seq: int, global_batch: int) -> dict[str, dict[str, str | None]]:
+    """The largest GPT-2 and BERT presets that the --cluster trains at this --seq (BERT's
+    capped at its positions) and global batch, on all its cards and on some, with the
+    optimizer state sharded and not."""
+    cluster = parse_cluster(args.cluster, catalog)
+    precision = parse_precision(args.precision, catalog, [entry.device for entry in cluster])
+    found: dict[str, dict[str, str | None]] = {}
+    for family, prefix in (("GPT-2", "gpt2-"), ("BERT", "bert-")):
+        found[family] = {"all": None, "any": None, "all_sharded": None, "any_sharded": None}
+        shapes = sorted((s for n, s in PRESETS.items() if n.startswith(prefix) and not n.endswith("-qa")),
+                        key=lambda s: s.parameters(seq))
+        for shape in shapes:
+            length = min(seq, BERT_POSITIONS) if shape.kind == "bert" else seq
+            members = spec_members(cluster, shape, length, precision=precision, wire=args.wire,
+                                   memory_fraction=args.memory_fraction,
+                                   attention=args.attention or ("eager" if shape.kind == "bert" else "fused"),
+                                   gelu=args.gelu)
+            for sharded, suffix in ((False, ""), (True, "_sharded")):
+                try:
+                    plan = make_plan(members, shape, length, max(global_batch, len(members)), in_node=catalog.link(
+                        args.intra or DEFAULTS["intra"]), between_nodes=catalog.link(args.net or DEFAULTS["net"]),
+                                     wire=args.wire, find_slow_cards=False, memory_fraction=args.memory_fraction,
+                                     shard=sharded)
+                except ValueError:
+                    continue
+                found[family]["any" + suffix] = shape.name
+                if len(plan.members) == len(members):
+                    found[family]["all" + suffix] = shape.name
+    return found
 
 
 def list_devices(catalog: Catalog) -> str:
@@ -168,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         simulation = simulate(plan, args.simulate, noise=args.noise, slowdowns=slowdowns, seed=args.seed) \
             if args.simulate else None
+        largest = largest_models(args, catalog, plan.seq, plan.global_batch) if args.shard and args.cluster else None
     except (ValueError, FileNotFoundError) as error:
         parser().exit(2, f"hetcomm plan: error: {error}\n")
     if args.json:
@@ -177,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             record["profile"] = str(profile.path)
         if simulation:
             record["simulation"] = simulation_dict(simulation)
+        if largest:
+            record["largest"] = largest
         json.dump(record, sys.stdout, indent=1, allow_nan=False)
         print()
         return 0
-    print(plan_text(plan, profile, seconds))
+    print(plan_text(plan, profile, seconds, largest))
     if simulation:
         print()
         print(simulation_text(simulation, plan))

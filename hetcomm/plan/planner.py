@@ -12,7 +12,7 @@ that follow the slowest rank's compute:
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from hetcomm.plan.cost import (CONTEXT_BYTES, AllReduceCost, DeviceCost, all_red
                                exposed_communication)
 from hetcomm.plan.model_shape import ModelShape
 from hetcomm.plan.precision import CHOICES as PRECISION_CHOICES, PrecisionChoice
+from hetcomm.plan.shard import CardShard, shard_members
 
 WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKWARD_SHARE = 2 / 3   # backward does two of the three matmuls per weight
@@ -82,6 +83,7 @@ class Plan:
     single_device: str            # the fastest member, the Amdahl baseline
     single_device_s: float        # its time for the whole global batch alone
     slow_cards: tuple[SlowCard, ...] = field(default=())
+    shards: tuple[CardShard, ...] | None = None   # per member, with the state sharded (--shard)
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,18 +160,28 @@ def _trains(member: Member) -> bool:
 
 def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, *, in_node: Link,
               between_nodes: Link, wire: str = "fp16", overlap: bool = False, find_slow_cards: bool = True,
-              memory_fraction: float = 0.9) -> Plan:
+              memory_fraction: float = 0.9, shard: bool = False) -> Plan:
     """The plan for `members` (rank order). Devices that cannot hold one sample are
     left out (with the reason); ValueError when none can (saying what would make the
     model fit on the catalogued card with the most memory), or when the global batch is smaller than the number
-    of devices (every device takes at least one sample, as in the trainer)."""
+    of devices (every device takes at least one sample, as in the trainer). With
+    `shard`, the optimizer state is sharded by memory (hetcomm.plan.shard)."""
     if wire not in WIRE_BYTES:
         raise ValueError(f"--wire {wire!r}: expected one of {', '.join(WIRE_BYTES)}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"--global-batch {global_batch!r}: expected a positive integer")
+    shards, dropped = None, ()
+    if shard:
+        members, shards, without_room = shard_members(members, model, seq, WIRE_BYTES[wire])
+        dropped = tuple(LeftOut(m, reason) for m, reason in without_room)
+        if not members:
+            raise ValueError(f"{model.name} at --seq {seq} fits on none of the devices, even with the optimizer state "
+                             f"sharded: {dropped[0].member.label}: {dropped[0].reason}")
     training = [m for m in members if _trains(m)]
-    left_out = tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if m not in training) \
-        if len(training) < len(members) else ()
+    if shards is not None:
+        shards = tuple(s for m, s in zip(members, shards) if _trains(m))
+    left_out = dropped + (tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if not _trains(m))
+                          if len(training) < len(members) else ())
     if not training:
         catalogued = [m for m in members if m.device is not None]
         advice = fit_advice(catalogued, model, seq, wire=wire, memory_fraction=memory_fraction) if catalogued else ""
@@ -181,7 +193,7 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
                          f"more, or fewer devices")
     profiles, caps = [(m.cost.fixed, m.cost.per_sample) for m in training], [m.cost.cap for m in training]
     split = solve_split(global_batch, profiles, caps, "accumulate")
-    step = _Step(training, model, seq, in_node, between_nodes, wire, overlap)
+    step = _Step(training, model, seq, in_node, between_nodes, wire, overlap, shard)
     compute = step.compute(split.rank_times)
     equal_compute = step.compute(predict_rank_times(equal_split(global_batch, len(training)), profiles, caps))
     fastest = min(training, key=lambda m: m.cost.per_sample)
@@ -190,8 +202,8 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
                 members=tuple(training), left_out=left_out, split=split, compute_s=compute,
                 all_reduce=step.all_reduce, exposed_comm_s=step.exposed(compute), update_s=step.update,
                 step_s=step.seconds(compute), equal_step_s=step.seconds(equal_compute), single_device=fastest.label,
-                single_device_s=alone + fastest.cost.update_seconds)
-    if not find_slow_cards:
+                single_device_s=alone + fastest.cost.update_seconds, shards=shards)
+    if not find_slow_cards or shard:   # removing a card reshards the state: no slow-card analysis then
         return plan
     return Plan(**{**plan.__dict__, "slow_cards": _slow_cards(plan, members, in_node, between_nodes)})
 
@@ -201,17 +213,23 @@ class _Step:
     over the ring's slowest link (the part backward does not hide) and the update."""
 
     def __init__(self, training: Sequence[Member], model: ModelShape, seq: int, in_node: Link, between_nodes: Link,
-                 wire: str, overlap: bool):
+                 wire: str, overlap: bool, shard: bool = False):
         self.link = ring_link({m.node for m in training}, in_node, between_nodes)
         self.all_reduce = all_reduce_cost(len(training), model.parameters(seq), WIRE_BYTES[wire], self.link)
+        # Sharded, each owner updates its range: the step waits for the slowest one.
         self.update = max(m.cost.update_seconds for m in training)
-        self.jitter, self.overlap = [m.jitter for m in training], overlap
+        self.jitter, self.overlap, self.shard = [m.jitter for m in training], overlap, shard
 
     def compute(self, rank_times: Sequence[float]) -> float:
         return expected_slowest(rank_times, self.jitter)
 
     def exposed(self, compute: float) -> float:
-        return exposed_communication(self.all_reduce, BACKWARD_SHARE * compute, self.overlap)
+        if not self.shard:
+            return exposed_communication(self.all_reduce, BACKWARD_SHARE * compute, self.overlap)
+        # The reduce-scatter is the all-reduce's first half of the bytes (overlapped with
+        # backward as its buckets are); the all-gather, the second, follows the update.
+        half = replace(self.all_reduce, seconds=self.all_reduce.seconds / 2, wire_bytes=self.all_reduce.wire_bytes / 2)
+        return exposed_communication(half, BACKWARD_SHARE * compute, self.overlap) + half.seconds
 
     def seconds(self, compute: float) -> float:
         return compute + self.exposed(compute) + self.update

@@ -44,6 +44,10 @@ def plan_dict(plan: Plan) -> dict:
         "single_device": plan.single_device, "single_device_s": plan.single_device_s,
         "slow_cards": [{"device": s.name, "label": s.label, "removed": s.removed, "step_s": s.step_s,
                         "faster": s.faster} for s in plan.slow_cards],
+        "shard": None if plan.shards is None else [
+            {"device": m.name, "weights_bytes": c.weights_bytes, "gradient_bytes": c.gradient_bytes,
+             "state_bytes": c.state_bytes, "elements": c.elements, "left_for_state_bytes": c.left_for_state}
+            for m, c in zip(plan.members, plan.shards)],
     }
 
 
@@ -56,7 +60,8 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -> str:
+def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
+              largest: dict[str, dict[str, str | None]] | None = None) -> str:
     machines = len({m.node for m in plan.members})
     lines = [f"hetcomm plan: {plan.model.describe(plan.seq)}",
              f"  seq {plan.seq}, global batch {plan.global_batch} sequences, {plan.members[0].cost.attention} "
@@ -89,9 +94,17 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
                      f"{_seconds(row['compute_s']):>10} {tokens:>9,.0f}")
     lines.append("")
     all_reduce = plan.all_reduce
-    lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + all-reduce "
-                 f"{_seconds(plan.exposed_comm_s)} (of a {_seconds(all_reduce.seconds)} {all_reduce.algorithm}, "
-                 f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank) + update {_seconds(plan.update_s)}")
+    if plan.shards is not None:
+        lines += _shard_lines(plan, rows)
+        half = all_reduce.seconds / 2
+        lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + reduce-scatter "
+                     f"and all-gather {_seconds(plan.exposed_comm_s)} exposed (of {_seconds(half)} each, "
+                     f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank in all, one {all_reduce.algorithm} "
+                     f"all-reduce's) + update of the largest range {_seconds(plan.update_s)}")
+    else:
+        lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + all-reduce "
+                     f"{_seconds(plan.exposed_comm_s)} (of a {_seconds(all_reduce.seconds)} {all_reduce.algorithm}, "
+                     f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank) + update {_seconds(plan.update_s)}")
     lines.append(f"  {plan.tokens_per_s:,.0f} tokens/s; {plan.speedup_over_equal:.2f}x the speed of an equal split "
                  f"({_seconds(plan.equal_step_s)} per step)")
     fraction, speedup = plan.parallel_fraction, plan.single_device_s / plan.step_s
@@ -110,10 +123,40 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float) -
                      f"({slow.faster:.1%} faster)")
     for item in plan.left_out:
         lines.append(f"  left out: {item.member.label} (machine {item.member.node}): {item.reason}")
+    if largest:
+        lines += largest_lines(largest, len(plan.members) + len(plan.left_out))
     measured_only = all(m.source == "measured" for m in plan.members)
     lines.append(f"  (planned in {planning_seconds:.3f} s" + ("" if measured_only else
                  "; figures from public peak specifications times an efficiency unless calibrated") + ")")
     return "\n".join(lines)
+
+
+def _shard_lines(plan: Plan, rows: list[tuple[Member, dict]]) -> list[str]:
+    """Per card, what it holds with the optimizer state sharded, against what it has."""
+    total = sum(shard.elements for shard in plan.shards)
+    lines = ["  optimizer state sharded by memory (GiB: weights + gradients + masters and moments of its range + "
+             "activations of its micro-batch = held / usable):",
+             f"  {'device':<34} {'weights':>8} {'grads':>6} {'state':>6} {'activ':>6} {'held/usable':>12} "
+             f"{'range':>7}"]
+    for (member, row), shard in zip(rows, plan.shards):
+        activations = member.cost.activation_bytes * row["micro_batch"]
+        held = member.cost.state_bytes + activations
+        lines.append(f"  {member.label[:34]:<34} {shard.weights_bytes / GIB:>8.2f} {shard.gradient_bytes / GIB:>6.2f} "
+                     f"{shard.state_bytes / GIB:>6.2f} {activations / GIB:>6.2f} "
+                     f"{held / GIB:>5.1f}/{member.cost.memory_bytes / GIB:<6.1f} {shard.elements / total:>7.1%}")
+    lines.append("")
+    return lines
+
+
+def largest_lines(largest: dict[str, dict[str, str | None]], cards: int) -> list[str]:
+    """The largest preset of each family that trains with and without sharding."""
+    lines = []
+    for family, found in largest.items():
+        def name(key: str) -> str:
+            return found[key] or "none"
+        lines.append(f"  largest {family} on all {cards} cards: {name('all')} unsharded, {name('all_sharded')} "
+                     f"sharded; on some of them: {name('any')} unsharded, {name('any_sharded')} sharded")
+    return lines
 
 
 def _sizes_text(plan: Plan, sizes: tuple[int, ...]) -> str:
