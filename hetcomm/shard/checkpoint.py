@@ -11,13 +11,15 @@ that the step's files are one world's, tile the parameters exactly, and are of t
 model's parameter layout, then copies out the requested range.
 
 torch.distributed.checkpoint (DCP) is the general engine for resharding, and it is not
-used here: its default planner takes a plain tensor that each rank holds as the same
-replicated tensor and keeps one rank's copy, so uneven 1-D ranges need the chunk
-hooks of a tensor-like wrapper or a DTensor (whose uneven shards follow torch.chunk's
-sizes, not memory); it writes no digests and no atomic files, both of which hetcomm's
-faults table relies on; and a 1-D range read back is a slice, which these files give
-with one read each. The cost of the choice: every rank writes one file and reads the
-files its new range overlaps (one or two when the layout is unchanged)."""
+used here. Measured (benchmarks/shard_checkpoint_dcp.py, 4 ranks holding 11/11/11/32
+ranges of 4M elements under one key): its default planner takes the ranks' plain tensors
+for one replicated tensor and silently saves rank 0's 676,923 elements only, the other
+83% lost, found only when a load of the whole fails on the size; these files save all
+4M in half DCP's time (0.035 s against 0.061 s) and read them back exactly. DCP would
+need the chunk hooks of a tensor-like wrapper (or a DTensor, whose uneven shards follow
+torch.chunk's sizes, not memory), and writes no digests and no atomic files, both of
+which hetcomm's faults table relies on. The cost of the choice: every rank writes one
+file and reads the files its new range overlaps (one or two when the layout is kept)."""
 
 import re
 from pathlib import Path
