@@ -12,7 +12,7 @@ from hetcomm.plan.cluster import parse_cluster
 from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, GELUS, PRESETS, parse_model
 from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
 from hetcomm.plan.precision import parse_precision
-from hetcomm.plan.report import plan_dict, plan_text, simulation_dict, simulation_text
+from hetcomm.plan.report import largest_lines, plan_dict, plan_text, simulation_dict, simulation_text
 from hetcomm.plan.simulate import simulate
 from hetcomm.simulated import parse_slowdown
 
@@ -172,6 +172,22 @@ def largest_models(args, catalog: Catalog, seq: int, global_batch: int) -> dict[
     return found
 
 
+def _what_fits(args, error: Exception) -> str:
+    """After a sharded plan that does not fit: the largest presets that do, if any."""
+    if not (args.shard and args.cluster and "does not fit" in str(error)):
+        return ""
+    try:
+        catalog = load_catalog(args.devices)
+        shape = parse_model(args.model or DEFAULTS["model"])
+        seq = args.seq or (BERT_POSITIONS if shape.kind == "bert" else DEFAULTS["seq"])
+        largest = largest_models(args, catalog, seq, args.global_batch or DEFAULTS["global_batch"])
+    except ValueError:
+        return ""
+    cards = len(parse_cluster(args.cluster, catalog))
+    return "what fits instead:\n" + "\n".join(largest_lines(largest, cards, seq, args.global_batch
+                                                            or DEFAULTS["global_batch"])) + "\n"
+
+
 def list_devices(catalog: Catalog) -> str:
     lines = [f"{'name':<14} {'label':<28} {'CC':>4} {'fp32':>6} {'fp16':>6} {'bf16':>6} {'GiB':>5} {'GB/s':>6}"]
     for device in sorted(catalog.devices.values(), key=lambda d: (d.capability, d.name)):
@@ -205,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.simulate else None
         largest = largest_models(args, catalog, plan.seq, plan.global_batch) if args.shard and args.cluster else None
     except (ValueError, FileNotFoundError) as error:
-        parser().exit(2, f"hetcomm plan: error: {error}\n")
+        parser().exit(2, f"hetcomm plan: error: {error}\n" + _what_fits(args, error))
     if args.json:
         record = plan_dict(plan)
         record["planning_seconds"] = seconds

@@ -19,11 +19,12 @@ import torch
 from hetcomm.balance import Split, equal_split, optimal_rank_times, predict_rank_times, solve_split
 from hetcomm.plan.catalog import Device, Link
 from hetcomm.plan.cluster import ClusterDevice
-from hetcomm.plan.cost import (CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost, device_cost,
-                               exposed_communication)
+from hetcomm.plan.cost import (BANDWIDTH_EFFICIENCY, CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost,
+                               device_cost, exposed_communication)
 from hetcomm.plan.model_shape import ModelShape
 from hetcomm.plan.precision import CHOICES as PRECISION_CHOICES, PrecisionChoice
-from hetcomm.plan.shard import CardShard, shard_members
+from hetcomm.plan.shard import (DTYPES, UPDATE_BYTES_PER_ELEMENT, ShardPlan, StateDoesNotFit, bucket_elements,
+                                shard_collectives, shard_ranges, shard_room, state_bytes_per_element)
 
 WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKWARD_SHARE = 2 / 3   # backward does two of the three matmuls per weight
@@ -83,7 +84,7 @@ class Plan:
     single_device: str            # the fastest member, the Amdahl baseline
     single_device_s: float        # its time for the whole global batch alone
     slow_cards: tuple[SlowCard, ...] = field(default=())
-    shards: tuple[CardShard, ...] | None = None   # per member, with the state sharded (--shard)
+    shard: ShardPlan | None = None   # the optimizer state sharded by memory (--shard)
 
     @property
     def tokens_per_s(self) -> float:
@@ -170,18 +171,15 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
         raise ValueError(f"--wire {wire!r}: expected one of {', '.join(WIRE_BYTES)}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"--global-batch {global_batch!r}: expected a positive integer")
-    shards, dropped = None, ()
     if shard:
-        members, shards, without_room = shard_members(members, model, seq, WIRE_BYTES[wire])
-        dropped = tuple(LeftOut(m, reason) for m, reason in without_room)
-        if not members:
-            raise ValueError(f"{model.name} at --seq {seq} fits on none of the devices, even with the optimizer state "
-                             f"sharded: {dropped[0].member.label}: {dropped[0].reason}")
+        try:
+            return _sharded_plan(members, model, seq, global_batch, in_node, between_nodes, wire, overlap)
+        except StateDoesNotFit as error:
+            raise ValueError(f"{error}. {shard_advice(members, model, seq, wire, memory_fraction, error.short)}") \
+                from None
     training = [m for m in members if _trains(m)]
-    if shards is not None:
-        shards = tuple(s for m, s in zip(members, shards) if _trains(m))
-    left_out = dropped + (tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if not _trains(m))
-                          if len(training) < len(members) else ())
+    left_out = tuple(LeftOut(m, _why_left_out(m.cost)) for m in members if m not in training) \
+        if len(training) < len(members) else ()
     if not training:
         catalogued = [m for m in members if m.device is not None]
         advice = fit_advice(catalogued, model, seq, wire=wire, memory_fraction=memory_fraction) if catalogued else ""
@@ -193,7 +191,7 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
                          f"more, or fewer devices")
     profiles, caps = [(m.cost.fixed, m.cost.per_sample) for m in training], [m.cost.cap for m in training]
     split = solve_split(global_batch, profiles, caps, "accumulate")
-    step = _Step(training, model, seq, in_node, between_nodes, wire, overlap, shard)
+    step = _Step(training, model, seq, in_node, between_nodes, wire, overlap)
     compute = step.compute(split.rank_times)
     equal_compute = step.compute(predict_rank_times(equal_split(global_batch, len(training)), profiles, caps))
     fastest = min(training, key=lambda m: m.cost.per_sample)
@@ -202,8 +200,8 @@ def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_bat
                 members=tuple(training), left_out=left_out, split=split, compute_s=compute,
                 all_reduce=step.all_reduce, exposed_comm_s=step.exposed(compute), update_s=step.update,
                 step_s=step.seconds(compute), equal_step_s=step.seconds(equal_compute), single_device=fastest.label,
-                single_device_s=alone + fastest.cost.update_seconds, shards=shards)
-    if not find_slow_cards or shard:   # removing a card reshards the state: no slow-card analysis then
+                single_device_s=alone + fastest.cost.update_seconds)
+    if not find_slow_cards:
         return plan
     return Plan(**{**plan.__dict__, "slow_cards": _slow_cards(plan, members, in_node, between_nodes)})
 
@@ -213,26 +211,81 @@ class _Step:
     over the ring's slowest link (the part backward does not hide) and the update."""
 
     def __init__(self, training: Sequence[Member], model: ModelShape, seq: int, in_node: Link, between_nodes: Link,
-                 wire: str, overlap: bool, shard: bool = False):
+                 wire: str, overlap: bool):
         self.link = ring_link({m.node for m in training}, in_node, between_nodes)
         self.all_reduce = all_reduce_cost(len(training), model.parameters(seq), WIRE_BYTES[wire], self.link)
-        # Sharded, each owner updates its range: the step waits for the slowest one.
         self.update = max(m.cost.update_seconds for m in training)
-        self.jitter, self.overlap, self.shard = [m.jitter for m in training], overlap, shard
+        self.jitter, self.overlap = [m.jitter for m in training], overlap
 
     def compute(self, rank_times: Sequence[float]) -> float:
         return expected_slowest(rank_times, self.jitter)
 
     def exposed(self, compute: float) -> float:
-        if not self.shard:
-            return exposed_communication(self.all_reduce, BACKWARD_SHARE * compute, self.overlap)
-        # The reduce-scatter is the all-reduce's first half of the bytes (overlapped with
-        # backward as its buckets are); the all-gather, the second, follows the update.
-        half = replace(self.all_reduce, seconds=self.all_reduce.seconds / 2, wire_bytes=self.all_reduce.wire_bytes / 2)
-        return exposed_communication(half, BACKWARD_SHARE * compute, self.overlap) + half.seconds
+        return exposed_communication(self.all_reduce, BACKWARD_SHARE * compute, self.overlap)
 
     def seconds(self, compute: float) -> float:
         return compute + self.exposed(compute) + self.update
+
+
+class _ShardedStep(_Step):
+    """The sharded step: the reduce-scatter (overlapped with backward as the all-reduce
+    is, with overlap), the slowest owner's update (after the reduction's barrier: paid
+    once, not added to each card's compute), the all-gather (after the update, never
+    hidden)."""
+
+    def __init__(self, training: Sequence[Member], cards, model: ModelShape, seq: int, in_node: Link,
+                 between_nodes: Link, wire: str, overlap: bool, weights: str):
+        super().__init__(training, model, seq, in_node, between_nodes, wire, overlap)
+        self.reduce_scatter, self.all_gather = shard_collectives(len(training), model.parameters(seq), weights,
+                                                                 WIRE_BYTES[wire], self.link)
+        rs, ag = self.reduce_scatter, self.all_gather
+        self.all_reduce = AllReduceCost(rs.seconds + ag.seconds, rs.wire_bytes + ag.wire_bytes, rs.buckets,
+                                        "reduce-scatter + all-gather")
+        self.update = max(card.update_seconds for card in cards)
+
+    def exposed(self, compute: float) -> float:
+        return (exposed_communication(self.reduce_scatter, BACKWARD_SHARE * compute, self.overlap)
+                + self.all_gather.seconds)
+
+
+def _sharded_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, in_node: Link,
+                  between_nodes: Link, wire: str, overlap: bool) -> Plan:
+    """make_plan with the optimizer state sharded by memory (hetcomm.plan.shard): the
+    room and caps, the split by speed under them, the ranges by what each card has
+    left beside its planned micro-batch."""
+    room = shard_room(members, model, seq, wire, WIRE_BYTES[wire])
+    left_out = tuple(LeftOut(m, reason) for m, reason in room.left_out)
+    if not room.members:
+        raise ValueError(f"{model.name} at --seq {seq} fits on none of the devices, even with the optimizer state "
+                         f"sharded: {left_out[0].member.label}: {left_out[0].reason}")
+    training = room.members
+    if global_batch < len(training):
+        raise ValueError(f"--global-batch {global_batch} is smaller than the {len(training)} devices that can train: "
+                         f"every device takes at least one sample per step; use --global-batch {len(training)} or "
+                         f"more, or fewer devices")
+    profiles = [(m.cost.fixed, m.cost.per_sample) for m in training]
+    first = solve_split(global_batch, profiles, [m.cost.cap for m in training], "accumulate")
+    planned = [max(micro) for micro in first.micro_batches]
+    training, cards = shard_ranges(room, planned, model, seq)
+    # The planned micro-batches are the caps now (the ranges leave room for them, not
+    # more); the optimum under the first caps is still one under these.
+    split = solve_split(global_batch, profiles, planned, "accumulate")
+    step = _ShardedStep(training, cards, model, seq, in_node, between_nodes, wire, overlap, room.weights)
+    compute = step.compute(split.rank_times)
+    equal_compute = step.compute(predict_rank_times(equal_split(global_batch, len(training)), profiles, planned))
+    fastest = min(training, key=lambda m: m.cost.per_sample)
+    alone = predict_rank_times([global_batch], [(fastest.cost.fixed, fastest.cost.per_sample)], [fastest.cost.cap])[0]
+    alone_update = model.parameters(seq) * UPDATE_BYTES_PER_ELEMENT / (fastest.device.bandwidth_gbs * 1e9
+                                                                       * BANDWIDTH_EFFICIENCY)
+    slowest = max(range(len(cards)), key=lambda rank: cards[rank].update_seconds)
+    sharded = ShardPlan(room.weights, bucket_elements(room.weights),
+                        state_bytes_per_element(DTYPES[room.weights]), cards, step.reduce_scatter, step.all_gather,
+                        slowest)
+    return Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=overlap, link=step.link,
+                members=tuple(training), left_out=left_out, split=split, compute_s=compute,
+                all_reduce=step.all_reduce, exposed_comm_s=step.exposed(compute), update_s=step.update,
+                step_s=step.seconds(compute), equal_step_s=step.seconds(equal_compute), single_device=fastest.label,
+                single_device_s=alone + alone_update, shard=sharded)
 
 
 def expected_slowest(times: Sequence[float], jitter: Sequence[float]) -> float:
@@ -275,6 +328,27 @@ def _step_seconds(members: Sequence[Member], plan: Plan, in_node: Link, between_
                                [m.cost.cap for m in training], "accumulate")
     step = _Step(training, plan.model, plan.seq, in_node, between_nodes, plan.wire, plan.overlap)
     return step.seconds(step.compute(times))
+
+
+def shard_advice(members: Sequence[Member], model: ModelShape, seq: int, wire: str, memory_fraction: float,
+                 short: float) -> str:
+    """What would make the sharded state fit: the longest shorter sequence (halving) at
+    which it does, or that much more memory."""
+    more = f"cards with {short / 2**30:.2f} GiB more usable memory between them"
+    if not all(m.device for m in members):
+        return f"It would fit on {more}."
+    shorter = seq // 2
+    while shorter >= 1:
+        costed = [replace(m, cost=device_cost(m.device, model, shorter, m.cost.precision, wire_bytes=WIRE_BYTES[wire],
+                                              memory_fraction=memory_fraction, attention=m.cost.attention,
+                                              gelu=m.cost.gelu)) for m in members]
+        try:
+            if shard_room(costed, model, shorter, wire, WIRE_BYTES[wire]).members:
+                return f"It would fit at --seq {shorter} (fewer activations beside the weights) or on {more}."
+        except StateDoesNotFit:
+            pass
+        shorter //= 2
+    return f"It would fit on {more} (a shorter --seq does not make room enough: the weights and gradients take it)."
 
 
 def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: str, memory_fraction: float) -> str:

@@ -3,7 +3,10 @@
 from itertools import groupby
 
 from hetcomm.plan.calibrate import RunProfile
+from hetcomm.plan.cost import BANDWIDTH_EFFICIENCY
+from hetcomm.plan.model_shape import BERT_POSITIONS
 from hetcomm.plan.planner import Member, Plan
+from hetcomm.plan.shard import UPDATE_BYTES_PER_ELEMENT
 from hetcomm.plan.simulate import Simulation
 
 GIB = 2**30
@@ -44,11 +47,27 @@ def plan_dict(plan: Plan) -> dict:
         "single_device": plan.single_device, "single_device_s": plan.single_device_s,
         "slow_cards": [{"device": s.name, "label": s.label, "removed": s.removed, "step_s": s.step_s,
                         "faster": s.faster} for s in plan.slow_cards],
-        "shard": None if plan.shards is None else [
-            {"device": m.name, "weights_bytes": c.weights_bytes, "gradient_bytes": c.gradient_bytes,
-             "state_bytes": c.state_bytes, "elements": c.elements, "left_for_state_bytes": c.left_for_state}
-            for m, c in zip(plan.members, plan.shards)],
+        "shard": None if plan.shard is None else _shard_dict(plan),
     }
+
+
+def _shard_dict(plan: Plan) -> dict:
+    shard = plan.shard
+    return {"weight_dtype": shard.weight_dtype, "state_bytes_per_element": shard.state_bytes_per_element,
+            "state_bytes": shard.state_bytes_per_element * shard.elements, "bucket_elements": shard.bucket_elements,
+            "reduce_scatter_s": shard.reduce_scatter.seconds, "all_gather_s": shard.all_gather.seconds,
+            "reduce_scatter_bytes_per_rank": shard.reduce_scatter.wire_bytes,
+            "all_gather_bytes_per_rank": shard.all_gather.wire_bytes,
+            "update_s": plan.update_s, "update_rank": shard.slowest_update,
+            "state_memory": shard.state_memory_arg,
+            "cards": [{"rank": rank, "device": m.name, "micro_batch": c.micro_batch, "weights_bytes": c.weights_bytes,
+                       "gradient_bytes": c.gradient_bytes, "wire_buffer_bytes": c.wire_bytes,
+                       "context_bytes": c.context_bytes, "masters_moments_bytes": c.state_bytes,
+                       "scratch_bytes": c.scratch_bytes, "activation_bytes": c.activation_bytes,
+                       "held_bytes": c.held_bytes, "usable_bytes": m.cost.memory_bytes,
+                       "left_for_state_bytes": c.left_for_state, "free_bytes": c.free_bytes,
+                       "elements": c.elements, "share": c.elements / shard.elements, "update_s": c.update_seconds}
+                      for rank, (m, c) in enumerate(zip(plan.members, shard.cards))]}
 
 
 def _group_key(item: tuple[Member, dict]):
@@ -63,11 +82,14 @@ def _seconds(value: float) -> str:
 def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
               largest: dict[str, dict[str, str | None]] | None = None) -> str:
     machines = len({m.node for m in plan.members})
+    reduction = "all-reduce" if plan.shard is None else "reduce-scatter"
+    collectives = "all-reduce" if plan.shard is None else "reduce-scatter and all-gather"
     lines = [f"hetcomm plan: {plan.model.describe(plan.seq)}",
              f"  seq {plan.seq}, global batch {plan.global_batch} sequences, {plan.members[0].cost.attention} "
              f"attention, {'composite GELU, ' if plan.members[0].cost.gelu == 'composite' else ''}{plan.wire} wire"
-             + (", all-reduce overlapped with backward" if plan.overlap else ", all-reduce after backward"),
-             f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; all-reduce paced by "
+             + (f", {reduction} overlapped with backward" if plan.overlap else f", {reduction} after backward"),
+             f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; {collectives} "
+             f"paced by "
              f"{plan.link.label} ({plan.link.bandwidth_gbs:.2f} GB/s, {plan.link.latency_us:g} us)"]
     if profile:
         calibrated = sorted({m.label for m in plan.members if m.source != "specification"})
@@ -94,13 +116,8 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
                      f"{_seconds(row['compute_s']):>10} {tokens:>9,.0f}")
     lines.append("")
     all_reduce = plan.all_reduce
-    if plan.shards is not None:
-        lines += _shard_lines(plan, rows)
-        half = all_reduce.seconds / 2
-        lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + reduce-scatter "
-                     f"and all-gather {_seconds(plan.exposed_comm_s)} exposed (of {_seconds(half)} each, "
-                     f"{all_reduce.wire_bytes / 2**20:.0f} MiB sent per rank in all, one {all_reduce.algorithm} "
-                     f"all-reduce's) + update of the largest range {_seconds(plan.update_s)}")
+    if plan.shard is not None:
+        lines += _shard_lines(plan)
     else:
         lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + all-reduce "
                      f"{_seconds(plan.exposed_comm_s)} (of a {_seconds(all_reduce.seconds)} {all_reduce.algorithm}, "
@@ -124,38 +141,62 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
     for item in plan.left_out:
         lines.append(f"  left out: {item.member.label} (machine {item.member.node}): {item.reason}")
     if largest:
-        lines += largest_lines(largest, len(plan.members) + len(plan.left_out))
+        lines += largest_lines(largest, len(plan.members) + len(plan.left_out), plan.seq, plan.global_batch)
     measured_only = all(m.source == "measured" for m in plan.members)
     lines.append(f"  (planned in {planning_seconds:.3f} s" + ("" if measured_only else
                  "; figures from public peak specifications times an efficiency unless calibrated") + ")")
     return "\n".join(lines)
 
 
-def _shard_lines(plan: Plan, rows: list[tuple[Member, dict]]) -> list[str]:
-    """Per card, what it holds with the optimizer state sharded, against what it has."""
-    total = sum(shard.elements for shard in plan.shards)
-    lines = ["  optimizer state sharded by memory (GiB: weights + gradients + masters and moments of its range + "
-             "activations of its micro-batch = held / usable):",
-             f"  {'device':<34} {'weights':>8} {'grads':>6} {'state':>6} {'activ':>6} {'held/usable':>12} "
-             f"{'range':>7}"]
-    for (member, row), shard in zip(rows, plan.shards):
-        activations = member.cost.activation_bytes * row["micro_batch"]
-        held = member.cost.state_bytes + activations
-        lines.append(f"  {member.label[:34]:<34} {shard.weights_bytes / GIB:>8.2f} {shard.gradient_bytes / GIB:>6.2f} "
-                     f"{shard.state_bytes / GIB:>6.2f} {activations / GIB:>6.2f} "
-                     f"{held / GIB:>5.1f}/{member.cost.memory_bytes / GIB:<6.1f} {shard.elements / total:>7.1%}")
-    lines.append("")
+def _shard_lines(plan: Plan) -> list[str]:
+    """Per card, what it holds with the optimizer state sharded, against what it has;
+    then the step with its reduce-scatter, slowest update and all-gather."""
+    shard = plan.shard
+    per = shard.state_bytes_per_element
+    masters = "fp32 moments" if shard.weight_dtype == "fp32" else "fp32 masters and moments"
+    lines = [f"  optimizer state sharded by memory: P = {shard.elements:,} elements of {shard.weight_dtype} weights; "
+             f"{masters}, {per} B an element ({per * shard.elements / GIB:.2f} GiB), on each range's owner",
+             f"  {'GiB per card':<26} {'weights':>7} {'grads':>6} {'wire':>5} {'masters+moments':>15} "
+             f"{'ctx+scratch':>11} {'activ (micro)':>13} {'held/usable':>12} {'left for state':>14} {'range':>6}"]
+    for member, card in zip(plan.members, shard.cards):
+        wire = f"{card.wire_bytes / GIB:5.2f}" if card.wire_bytes else "    -"
+        activations = f"{card.activation_bytes / GIB:.2f} ({card.micro_batch})"
+        held = f"{card.held_bytes / GIB:.1f}/{member.cost.memory_bytes / GIB:.1f}"
+        lines.append(f"  {member.label[:26]:<26} {card.weights_bytes / GIB:>7.2f} {card.gradient_bytes / GIB:>6.2f} "
+                     f"{wire} {card.state_bytes / GIB:>15.2f} {(card.context_bytes + card.scratch_bytes) / GIB:>11.2f} "
+                     f"{activations:>13} {held:>12} {card.left_for_state / GIB:>14.2f} "
+                     f"{card.elements / shard.elements:>6.1%}")
+    lines += ["  the samples follow speed (above), the ranges what each card has left for state beside its "
+              "micro-batch;",
+              f"  the runtime makes these ranges from: hetcomm train --shard --state-memory {shard.state_memory_arg}",
+              ""]
+    rs, ag, slowest = shard.reduce_scatter, shard.all_gather, plan.members[shard.slowest_update]
+    card = shard.cards[shard.slowest_update]
+    rs_exposed = plan.exposed_comm_s - ag.seconds
+    hidden = f" ({_seconds(rs_exposed)} of it exposed)" if plan.overlap else ""
+    lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + reduce-scatter "
+                 f"{_seconds(rs.seconds)}{hidden} + update {_seconds(plan.update_s)} + all-gather "
+                 f"{_seconds(ag.seconds)}")
+    bandwidth = f"{slowest.device.bandwidth_gbs:g} GB/s" if slowest.device else "its bandwidth"
+    lines.append(f"    update: the slowest owner's, rank {shard.slowest_update} ({slowest.label}, "
+                 f"{card.elements / shard.elements:.1%}): {UPDATE_BYTES_PER_ELEMENT} B an element at {bandwidth} x "
+                 f"{BANDWIDTH_EFFICIENCY:g} (public spec x the memory-bound efficiency)")
+    lines.append(f"    sent per rank: {rs.wire_bytes / 2**20:,.0f} + {ag.wire_bytes / 2**20:,.0f} MiB, one ring "
+                 f"all-reduce's 2(N-1)/N x P x {plan.wire}, at the link's public rate")
     return lines
 
 
-def largest_lines(largest: dict[str, dict[str, str | None]], cards: int) -> list[str]:
+def largest_lines(largest: dict[str, dict[str, str | None]], cards: int, seq: int, global_batch: int) -> list[str]:
     """The largest preset of each family that trains with and without sharding."""
     lines = []
     for family, found in largest.items():
         def name(key: str) -> str:
             return found[key] or "none"
-        lines.append(f"  largest {family} on all {cards} cards: {name('all')} unsharded, {name('all_sharded')} "
-                     f"sharded; on some of them: {name('any')} unsharded, {name('any_sharded')} sharded")
+        at = f"seq {min(seq, BERT_POSITIONS)}" if family == "BERT" else f"seq {seq}"
+        some = (f"; on some of them: {name('any')} unsharded, {name('any_sharded')} sharded" if cards > 1 else "")
+        where = f"all {cards} cards" if cards > 1 else "its card"
+        lines.append(f"  largest {family} ({at}, batch {global_batch}) on {where}: {name('all')} unsharded, "
+                     f"{name('all_sharded')} sharded{some}")
     return lines
 
 
