@@ -7,12 +7,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks, values
 from test_trainer import losses, tiny_config
 
-from hetcomm.loop.checkpoint import checkpoints
+from hetcomm.loop.checkpoint import CheckpointError, checkpoints
+from hetcomm.train import launch
 from hetcomm.train.trainer import Trainer
 
 PARTS = (11, 11, 11, 32)
@@ -108,3 +110,22 @@ def test_a_sharded_run_resumes_bit_for_bit_and_on_fewer_ranks(tmp_path):
                                             out=str(tmp_path / "refused")), checkpoint, tmp_path=tmp_path / "r")
     for outcome in refused:
         assert outcome.get("type") == "CheckpointError" and "range-2-of-4.pt" in outcome["message"], outcome
+
+
+def checkpointed(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run(until=4)   # checkpoints at steps 2 and 4 of 6: an unfinished run
+    trainer.save_checkpoint()
+
+
+def test_a_resume_passes_over_a_checkpoint_whose_ranges_are_incomplete(tmp_path, capsys):
+    config = sharded_config(tmp_path, world=2, split="7,9", checkpoint_every=2, out=str(tmp_path / "run"))
+    values(run_ranks(2, checkpointed, config, tmp_path=tmp_path))
+    run = Path(config.out)
+    (run / "checkpoint-00000004.range-1-of-2.pt").unlink()   # a rank's range of the newest step lost
+    choosing = replace(config, resume=None)
+    launch._check_resume(choosing, 2)
+    assert Path(choosing.resume).name == "checkpoint-00000002.pt"
+    assert "the ranges of ranks [1] of 2 are missing" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=r"ranges of ranks \[1\] of 2 are missing"):
+        launch._check_resume(replace(config, resume=str(run / "checkpoint-00000004.pt")), 2)

@@ -179,13 +179,18 @@ def verify_digests(path: Path, state: dict, tensors_only: bool = False, values_o
             raise CheckpointError(f"{path}: tensor {name} {what}")
 
 
-def newest_valid(directory: Path, expected: dict) -> tuple[dict | None, Path | None, list[str]]:
-    """The newest checkpoint of the directory that verifies (see load), its path, and
-    why each newer one was passed over."""
+def newest_valid(directory: Path, expected: dict, verify=None) -> tuple[dict | None, Path | None, list[str]]:
+    """The newest checkpoint of the directory that verifies (see load; and `verify`,
+    called with the state and its path, raises no CheckpointError: what lies beside a
+    checkpoint, such as the ranges of a sharded run), its path, and why each newer one
+    was passed over."""
     passed = []
     for path in checkpoints(directory):
         try:
-            return load(path, expected), path, passed
+            state = load(path, expected)
+            if verify is not None:
+                verify(state, path)
+            return state, path, passed
         except CheckpointError as error:
             passed.append(str(error))
     return None, None, passed

@@ -35,19 +35,23 @@ def _check_resume(config: TrainConfig, world: int) -> None:
     when that run is unfinished (a job restarted by torchrun, or the same command run
     again, goes on where it stopped); a finished run there is started over; checkpoints
     of another run, or none valid, stop with their reasons unless --fresh."""
-    from hetcomm.train.trainer import check_resumable, load_data, run_description
+    from hetcomm.train.trainer import check_ranges, check_resumable, load_data, run_description
 
     data, description = load_data(config)
     config.data_fingerprint = data_fingerprint(config.data, data.tokens, config.out)
     expected = run_description(config, world, description, len(data))
+    # A sharded run's checkpoint is whole only with every rank's range of the state beside it.
+    verify = check_ranges if config.shard else None
     if config.resume:
         state = load(config.resume, expected)
+        if verify is not None:
+            verify(state, config.resume)
         check_resumable(state, config, data.vocab_size)
         _check_same_data(state, config, config.resume)
         return
     if config.fresh or not checkpoints(config.out):
         return
-    state, path, passed = newest_valid(config.out, expected)
+    state, path, passed = newest_valid(config.out, expected, verify)
     if state is None:
         raise CheckpointError(f"--out {config.out} holds checkpoints of no resumable run of these settings ("
                               + "; ".join(passed) + "); pass --fresh to start over there, or another --out")

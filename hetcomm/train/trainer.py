@@ -113,6 +113,16 @@ def check_resumable(state: dict, config: TrainConfig, vocab_size: int) -> None:
                                          f"{config.steps} (its loop is at {state['loop'].get('step')!r})")
 
 
+def check_ranges(state: dict, path: Path) -> None:
+    """Raises CheckpointError unless a sharded run's checkpoint has every range of its
+    optimizer state beside it, of its model and tiling its parameters (their values
+    checked; each rank checks the bytes of the ranges it reads)."""
+    saved = state.get("shard")
+    if not isinstance(saved, dict) or "bounds" not in saved or "digest" not in saved:
+        raise checkpoint.CheckpointError(f"{path}: holds no layout of sharded optimizer state")
+    shard_checkpoint.check_step(Path(path).parent, state["step"], saved["bounds"][-1], saved["digest"])
+
+
 def load_data(config: TrainConfig) -> tuple[TokenWindows, str]:
     return load_windows(config.data, config.block_size, config.vocab_size)
 
