@@ -45,7 +45,7 @@ import torch
 from hetcomm.plan.catalog import Link
 from hetcomm.plan.cost import BANDWIDTH_EFFICIENCY, BUCKET_BYTES, CONTEXT_BYTES, STORAGE, AllReduceCost
 from hetcomm.plan.model_shape import ModelShape
-from hetcomm.shard.layout import _largest_range as largest_range   # the runtime's own capacity rule
+from hetcomm.shard.layout import largest_range   # the runtime's own capacity rule
 from hetcomm.shard.layout import bytes_needed, layout_by_memory, state_bytes_per_element
 
 # The fused AdamW over an owner's range: the 16-bit reduced gradient read (2), the fp32

@@ -8,11 +8,12 @@ and no copy per step. Autograd accumulates into an existing .grad in place, so t
 views survive backward; a .grad that something replaced (a zero_grad that set it to
 None, an assignment) is put back into its view at the next step."""
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from hetcomm.comm.collectives import layout_fingerprint
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,6 @@ class FlatParameters:
 
     def digest(self) -> str:
         """What identifies the flat space: the count, order, shapes and dtype of the
-        parameters (a checkpoint of another model has another)."""
-        text = ";".join(f"{tuple(p.shape)}" for p in self.params) + f"|{self.dtype}"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        parameters (a checkpoint of another model has another), as the reducer's layout
+        check digests them."""
+        return f"{layout_fingerprint(self.params):016x}"

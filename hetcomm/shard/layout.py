@@ -90,7 +90,7 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
             raise ValueError(f"{who}: rank {rank} has {_size(free)} left for the sharded optimizer state; its "
                              f"smallest range ({min(ALIGN, total)} elements) needs {least:,} bytes. Give that rank "
                              f"more memory (a smaller micro-batch, fewer other tensors) or leave it out")
-        capacity.append(_largest_range(free, weight_dtype, bucket_elements))
+        capacity.append(largest_range(free, weight_dtype, bucket_elements))
     if sum(capacity) < total:
         per = state_bytes_per_element(weight_dtype)
         raise ValueError(f"{who}: the ranks' memory left for the sharded state ({_size(sum(memory))} in all) holds the "
@@ -114,7 +114,7 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
     return ShardLayout(tuple([0, *_running(sizes)]))
 
 
-def _largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int) -> int:
+def largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int) -> int:
     """The most elements whose state fits `free` bytes (bytes_needed is monotone)."""
     per = state_bytes_per_element(weight_dtype)
     size = free // (per + 4)

@@ -57,6 +57,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for a, b in zip(cuts, cuts[1:]):
             if start <= a and b <= stop:
                 pieces[group_of[flat.pieces(a, b)[0].index]].append((a, b))
+        self._gather_order = sorted(reducer.buckets, key=lambda b: b.start)   # the forward's order
         # Per group, the views adamw_ takes, made once: the step is one call per group.
         self._views = [self._views_of(group_pieces, wires) for group_pieces in pieces]
 
@@ -127,7 +128,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         reducer = self.reducer
         works = [(b, dist.broadcast(self.flat.weights[b.start:b.stop], src=reducer._owners[b.owner],
                                     group=reducer.group, async_op=True))
-                 for b in sorted(reducer.buckets, key=lambda b: b.start)]
+                 for b in self._gather_order]
         for bucket, work in works:
             wait(work, reducer.timeout, f"ShardedAdamW: the all-gather of elements {bucket.start}-{bucket.stop} from "
                                         f"rank {bucket.owner}")
