@@ -27,7 +27,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH)" ninja numpy
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,hf]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test,hf,lightning]"
 	touch $@
 
 train: $(STAMP)

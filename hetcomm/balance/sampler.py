@@ -130,13 +130,33 @@ class WeightedDistributedSampler:
             raise RuntimeError(f"a step dealt in parts is incomplete ({self.partial} of {self.global_batch} "
                                f"samples); take() the rest first")
         while self.cursor < self.samples_per_epoch:
-            batch = min(self.global_batch, self.samples_per_epoch - self.cursor)
-            shares = self.sizes if batch == self.global_batch else proportional_shares(self.sizes, batch)
-            self._drawn = (self.permutation(), self.cursor, tuple(shares))
-            indices = self.drawn_indices(self.rank)
-            self.cursor += batch
-            yield indices
+            yield self.draw()
         self.epoch, self.cursor = self.epoch + 1, 0
+
+    def draw(self, minimum: int = 0) -> list[int]:
+        """This rank's indices of the next step, moving on to the next epoch first when
+        this one is done (a caller that stops iterating at an epoch's end, as a trainer
+        that counts its steps does, still starts the next epoch where it should). On an
+        epoch's smaller last step every rank gets `minimum` samples first and the rest
+        in proportion to the split: a framework that runs the same number of
+        micro-batches on every rank needs one sample for each."""
+        if self.partial:
+            raise RuntimeError(f"a step dealt in parts is incomplete ({self.partial} of {self.global_batch} "
+                               f"samples); take() the rest first")
+        if self.cursor == self.samples_per_epoch:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        batch = min(self.global_batch, self.samples_per_epoch - self.cursor)
+        if batch == self.global_batch:
+            shares = self.sizes
+        else:
+            if batch < minimum * len(self.sizes):
+                raise ValueError(f"the epoch's last step holds {batch} samples, fewer than {minimum} for each of "
+                                 f"the {len(self.sizes)} ranks")
+            rest = proportional_shares(self.sizes, batch - minimum * len(self.sizes))
+            shares = tuple(minimum + r for r in rest)
+        self._drawn = (self.permutation(), self.cursor, tuple(shares))
+        self.cursor += batch
+        return self.drawn_indices(self.rank)
 
     @property
     def drawn_shares(self) -> tuple[int, ...]:

@@ -1,0 +1,249 @@
+"""The batches a framework's data loader draws on each rank, balanced by speed: each
+optimizer step's global batch dealt by the current split (one permutation per epoch,
+nothing dropped or repeated), cut into the same number of micro-batches on every rank,
+each rank timed, and the split rebalanced while training. Knows nothing of any framework:
+the integrations call step_started / compute_done / step_finished around each step."""
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import torch.distributed as dist
+
+from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, solve_split
+from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
+from hetcomm.comm.collectives import gather_floats
+
+BALANCE = ("dynamic", "static", "equal")
+logger = logging.getLogger("hetcomm")
+
+
+class BalancedBatches:
+    """A DataLoader's batch_sampler: yields this rank's micro-batches (lists of dataset
+    indices), `accumulation` of them for every optimizer step on every rank, their
+    sizes adding up to the rank's share of the step.
+
+    Every rank builds one alike (same dataset size, global batch, seed). A new split
+    takes effect `steps_ahead` steps after it is decided, on every rank at the same
+    step, so that a loader whose workers draw batches ahead deals them by the split
+    every rank uses (loader_steps_ahead gives the number for a loader's settings).
+
+    Args:
+        dataset_size: samples in the dataset.
+        global_batch: samples per optimizer step over all ranks.
+        accumulation: micro-batches per optimizer step on every rank; every rank's share
+            is at least this, so that no micro-batch is empty.
+        balance: "dynamic" (split from the first step's timing, rebalanced while
+            training), "static" (from the first step's timing only) or "equal".
+        split: a fixed split, one count per rank (no balancing).
+        max_micro_batch: the largest micro-batch a rank can hold, one for all or one per
+            rank (None: no cap); a rank's share is at most accumulation times it.
+        seed, drop_last: the permutation's seed; whether an epoch's leftover samples
+            (fewer than a global batch) are left out instead of forming a smaller step.
+        rebalance_threshold: adopt a new split only for this much less predicted time.
+    """
+
+    def __init__(self, dataset_size: int, global_batch: int, *, accumulation: int = 1, balance: str = "dynamic",
+                 split: Sequence[int] | None = None, max_micro_batch: int | Sequence[int] | None = None,
+                 seed: int = 0, drop_last: bool = False, steps_ahead: int = 0,
+                 rebalance_threshold: float = THRESHOLD, who: str = "hetcomm"):
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        self.who = who
+        _check(dataset_size, global_batch, accumulation, balance, steps_ahead, self.world, drop_last, who)
+        self.global_batch, self.accumulation, self.balance = global_batch, accumulation, balance
+        self.steps_ahead = steps_ahead
+        self.fixed = _fixed_split(split, self.world, global_batch, accumulation, who)
+        caps = _caps(max_micro_batch, self.world, accumulation, who)
+        start = self.fixed or equal_split(global_batch, self.world)   # at least `accumulation` each, as checked
+        self.sampler = WeightedDistributedSampler(dataset_size, start, self.rank, seed=seed, drop_last=drop_last)
+        self.rebalancer = None
+        if not self.fixed and balance != "equal" and self.world > 1:
+            self.rebalancer = DistributedRebalancer(Rebalancer(
+                global_batch, start, memory_caps=caps, policy="move" if caps else "accumulate",
+                min_per_rank=accumulation, threshold=rebalance_threshold, review_first=balance == "dynamic",
+                **TRAINING_SETTINGS))
+        self.caps = caps
+        self.drawn = 0                   # steps drawn so far (the next one's number)
+        self.positions: dict[int, tuple[int, int, tuple[int, ...]]] = {}   # step -> epoch, cursor, split before it
+        self.shares: dict[int, tuple[int, ...]] = {}   # step -> every rank's samples in it
+        self.scheduled: dict[int, tuple[int, ...]] = {}  # step -> split from then on, not yet drawn
+        self.finished = 0                # steps whose timing is in
+        self.started: float | None = None
+        self.computed: float | None = None
+
+    # --- what the data loader draws ---------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch * self.accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The micro-batches from the current position to the end of its epoch (from the
+        next epoch's start when the current one is done)."""
+        while True:
+            for part in self._cut(self._draw_step()):
+                yield part
+            if self.sampler.cursor == self.sampler.samples_per_epoch:
+                return
+
+    def _draw_step(self) -> list[int]:
+        step = self.drawn
+        for at in sorted(k for k in self.scheduled if k <= step):
+            self.sampler.set_split(self.scheduled.pop(at))
+        self.positions[step] = (self.sampler.epoch, self.sampler.cursor, self.sampler.sizes)
+        indices = self.sampler.draw(minimum=self.accumulation)
+        self.shares[step] = self.sampler.drawn_shares
+        for old in [k for k in self.positions if k < step - 4 * (self.steps_ahead + 2)]:
+            del self.positions[old], self.shares[old]
+        self.drawn += 1
+        return indices
+
+    def _cut(self, indices: list[int]) -> list[list[int]]:
+        """A share cut into `accumulation` micro-batches, as even as integers allow."""
+        base, extra = divmod(len(indices), self.accumulation)
+        parts, start = [], 0
+        for j in range(self.accumulation):
+            size = base + (j < extra)
+            parts.append(indices[start: start + size])
+            start += size
+        return parts
+
+    # --- around each optimizer step ----------------------------------------------------
+
+    @property
+    def split(self) -> tuple[int, ...]:
+        """The split of the step now running (the last one drawn if none runs)."""
+        return self.shares.get(self.finished, self.sampler.sizes)
+
+    def step_started(self) -> None:
+        self.started, self.computed = time.perf_counter(), None
+
+    def compute_done(self) -> None:
+        """This rank's compute of the step is done (a DDP hook calls it at the first
+        gradient bucket, before it waits for the other ranks); the first call counts."""
+        if self.computed is None:
+            self.computed = time.perf_counter()
+
+    def step_finished(self) -> None:
+        """Every rank's compute time of the step just done, gathered; the split of a later
+        step decided from them (the same on every rank). Call on every rank."""
+        step = self.finished
+        self.finished += 1
+        if self.started is None:
+            raise RuntimeError(f"{self.who}: step_finished without step_started")
+        seconds = (self.computed or time.perf_counter()) - self.started
+        self.started = None
+        if self.rebalancer is None or (self.balance == "static" and step > 0):
+            return
+        rows = gather_floats([seconds])
+        times = [row[0] for row in rows]
+        done = list(self.shares[step])
+        if step == 0:
+            # The first split from the first step's throughputs; the rebalancer reviews it
+            # once its own estimates are in (they leave out this step's one-time costs).
+            sizes = solve_split(self.global_batch, [(0.0, t / n) for t, n in zip(times, done)], self.caps,
+                                self.rebalancer.rebalancer.policy, min_per_rank=self.accumulation).sizes
+            self.rebalancer.rebalancer.adopt(sizes)
+        else:
+            sizes = self.rebalancer.step(seconds, times, done).sizes
+        self._schedule(sizes, times)
+
+    def _schedule(self, sizes: tuple[int, ...], times: list[float]) -> None:
+        at = self.finished + self.steps_ahead
+        latest = self.scheduled[max(self.scheduled)] if self.scheduled else self.sampler.sizes
+        if tuple(sizes) == tuple(latest):
+            return
+        self.scheduled[at] = tuple(sizes)
+        if self.rank == 0:
+            seconds = " ".join(f"{t:.3g}" for t in times)
+            logger.info("%s: split %s of %d from step %d (was %s; compute seconds of step %d by rank: %s)",
+                        self.who, list(sizes), self.global_batch, at, list(latest), self.finished - 1, seconds)
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the data stands after the steps finished so far (a loader may have drawn
+        further), the splits of the steps to come, and the rebalancer's estimates; plain
+        JSON-able values, the same on every rank."""
+        step = self.finished
+        epoch, cursor, sizes = self.positions.get(step, (self.sampler.epoch, self.sampler.cursor,
+                                                         self.sampler.sizes))
+        coming = {k: list(self.positions[k][2]) for k in range(step + 1, self.drawn)}
+        coming.update({k: list(v) for k, v in self.scheduled.items()})
+        return {"steps": step, "global_batch": self.global_batch, "accumulation": self.accumulation,
+                "world": self.world,
+                "sampler": {**self.sampler.state_dict(), "epoch": epoch, "cursor": cursor, "sizes": list(sizes)},
+                "scheduled": {str(k): v for k, v in coming.items() if k > step},
+                "rebalancer": self.rebalancer.rebalancer.state_dict() if self.rebalancer else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues where state_dict() was taken: same dataset, seed, global batch,
+        accumulation and number of ranks (ValueError naming the one that differs)."""
+        for key, mine in (("global_batch", self.global_batch), ("accumulation", self.accumulation),
+                          ("world", self.world)):
+            if state[key] != mine:
+                raise ValueError(f"{self.who}: the checkpoint's balancing state has {key} = {state[key]}, this run "
+                                 f"{mine}")
+        self.sampler.load_state_dict(state["sampler"])
+        self.finished = self.drawn = int(state["steps"])
+        self.positions, self.shares = {}, {}
+        self.scheduled = {int(k): tuple(v) for k, v in state["scheduled"].items()}
+        if self.rebalancer is not None and state["rebalancer"] is not None:
+            self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
+
+
+def loader_steps_ahead(num_workers: int, prefetch_factor: int | None, accumulation: int) -> int:
+    """How many steps past the running one a DataLoader may have drawn: none in the main
+    process; with workers, prefetch_factor (default 2) micro-batches per worker."""
+    if num_workers == 0:
+        return 0
+    return math.ceil(num_workers * (prefetch_factor or 2) / accumulation)
+
+
+def _check(dataset_size, global_batch, accumulation, balance, steps_ahead, world, drop_last, who) -> None:
+    """ValueError naming the argument, before anything is drawn."""
+    for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
+                               ("accumulation", accumulation, 1), ("steps_ahead", steps_ahead, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{who}: {name} = {value!r}: expected an integer of at least {least}")
+    if balance not in BALANCE:
+        raise ValueError(f"{who}: balance = {balance!r}: expected one of {', '.join(BALANCE)}")
+    if global_batch < world * accumulation:
+        raise ValueError(f"{who}: the global batch of {global_batch} samples cannot give each of the {world} ranks "
+                         f"one sample for each of its {accumulation} micro-batches; use a global batch of at least "
+                         f"{world * accumulation}")
+    if global_batch > dataset_size:
+        raise ValueError(f"{who}: the global batch of {global_batch} samples is larger than the dataset "
+                         f"({dataset_size})")
+    leftover = dataset_size % global_batch
+    if not drop_last and 0 < leftover < world * accumulation:
+        raise ValueError(f"{who}: the dataset's {dataset_size} samples leave {leftover} for an epoch's last step, "
+                         f"fewer than one for each of the {accumulation} micro-batches on each of the {world} ranks "
+                         f"({world * accumulation}); leave them out (drop_last, dataloader_drop_last) or change "
+                         f"the global batch")
+
+
+def _fixed_split(split, world, global_batch, accumulation, who) -> tuple[int, ...] | None:
+    if split is None:
+        return None
+    split = tuple(split)
+    if len(split) != world or any(isinstance(b, bool) or not isinstance(b, int) or b < accumulation
+                                  for b in split) or sum(split) != global_batch:
+        raise ValueError(f"{who}: split = {list(split)!r}: expected {world} integers of at least {accumulation} (one "
+                         f"sample per micro-batch) adding up to the global batch {global_batch}")
+    return split
+
+
+def _caps(max_micro_batch, world, accumulation, who) -> list[int] | None:
+    """Each rank's largest share: its largest micro-batch times the micro-batches."""
+    if max_micro_batch is None:
+        return None
+    caps = [max_micro_batch] * world if isinstance(max_micro_batch, int) else list(max_micro_batch)
+    if len(caps) != world or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
+        raise ValueError(f"{who}: max_micro_batch = {max_micro_batch!r}: expected a positive integer, or one per "
+                         f"rank ({world})")
+    return [c * accumulation for c in caps]

@@ -1,0 +1,275 @@
+"""BalancedTrainer (hetcomm.integrations.transformers) on 4 Gloo ranks: a split of 1/3/5/7
+of 16 trains the weights one process's stock Trainer trains on the union batches (SGD,
+so that the comparison is of gradients, not of Adam's normalisation of rounding), for a
+loss that divides by num_items_in_batch and one that ignores it (with and without
+average_tokens_across_devices), with gradient accumulation; every sample is drawn once
+an epoch; a checkpoint resumes bit for bit across an epoch; a throttled rank gets fewer
+samples; settings it cannot honour are refused by name."""
+
+import os
+import time
+
+import pytest
+import torch
+from distributed import run_ranks, values
+
+pytest.importorskip("transformers", minversion="5.0", reason="BalancedTrainer needs pip install 'hetcomm[hf]'")
+pytest.importorskip("accelerate", reason="BalancedTrainer needs pip install 'hetcomm[hf]'")
+
+SAMPLES, SEQ, VOCAB = 64, 8, 32
+SPLIT = [1, 3, 5, 7]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Token windows whose labels mask a different number of leading positions, so that
+    weighting by samples and by tokens differ; records the indices it serves."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.items = []
+        for _ in range(SAMPLES):
+            ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+            labels = ids.clone()
+            labels[: int(torch.randint(0, SEQ - 1, (), generator=g))] = -100
+            self.items.append({"input_ids": ids, "labels": labels})
+        self.served = []
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        self.served.append(int(i))
+        return self.items[i]
+
+
+class IgnoresNumItems(torch.nn.Module):
+    """Takes **kwargs (so Trainer passes num_items_in_batch) but its loss is the micro-batch's
+    mean over its own tokens."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels, **kwargs):
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+class NoLossKwargs(IgnoresNumItems):
+    def forward(self, input_ids, labels):
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+MODELS = {"uses": lambda m: m, "ignores": IgnoresNumItems, "plain": NoLossKwargs}
+
+
+def shifted_tokens(batch):
+    """The items of the wrapped causal LM's mean: its labels past the first position
+    (Trainer knows to shift only for the models it recognises)."""
+    return int(batch["labels"][:, 1:].ne(-100).sum())
+
+
+def build(kind):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0,
+                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
+    return MODELS[kind](GPT2LMHeadModel(config))
+
+
+def arguments(out, per_device, steps, **extra):
+    from transformers import TrainingArguments
+    settings = dict(output_dir=out, per_device_train_batch_size=per_device, max_steps=steps, learning_rate=0.5,
+                    optim="sgd", use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+                    disable_tqdm=True, seed=0, max_grad_norm=1.0)
+    return TrainingArguments(**{**settings, **extra})
+
+
+def as_torchrun(rank, world):
+    """The environment torchrun gives a rank, for accelerate (the group exists already)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29500"), OMP_NUM_THREADS="1")
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def balanced_runs(rank, world, out, runs):
+    """Each (kind, settings) run on this rank: its final weights, whether it found the
+    loss to divide by num_items_in_batch, and the samples it drew. Kind "stock" is a
+    stock Trainer drawing the same shares (hetcomm's batches) that averages its ranks'
+    mean losses equally, as DDP does."""
+    as_torchrun(rank, world)
+    from hetcomm.integrations.transformers import BalancedTrainer
+    found = []
+    for kind, settings in runs:
+        if kind == "stock":
+            found.append((stock_split_run(out, **settings), None, []))
+            continue
+        settings = dict(settings)
+        trainer_args = {k: settings.pop(k) for k in ("balance", "split", "wire_dtype") if k in settings}
+        data = Tokens()
+        count = None if kind == "uses" else shifted_tokens
+        trainer = BalancedTrainer(model=build(kind), args=arguments(f"{out}/{kind}", **settings), train_dataset=data,
+                                  wire_dtype=trainer_args.pop("wire_dtype", torch.float32), count_items=count,
+                                  **trainer_args)
+        trainer.train()
+        found.append((weights(trainer.model), trainer.loss_uses_num_items, data.served))
+    return found
+
+
+def one_process(rank, world, out, steps):
+    """The stock Trainer on one process, each step's global batch (the permutation's
+    next 16 samples, as hetcomm deals them) in one micro-batch: for the model whose loss
+    divides by num_items_in_batch (which Trainer counts), and for a mean loss."""
+    torch.distributed.destroy_process_group()
+    from transformers import Trainer
+
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, dataset=None):
+            return order
+
+    trained = {}
+    for kind in ("uses", "plain"):
+        trainer = InOrder(model=build(kind), args=arguments(f"{out}/{kind}", 16, steps), train_dataset=Tokens())
+        trainer.train()
+        trained[kind] = weights(trainer.model)
+    trained["ignores"] = trained["plain"]
+    return trained
+
+
+def farthest(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    return values(run_ranks(1, one_process, str(out), 4, tmp_path=out))[0]
+
+
+def test_uneven_split_equals_one_process_trainer_in_both_loss_modes(tmp_path, reference):
+    """Also: the check can fail (DDP's equal average of the ranks' mean losses ends
+    elsewhere), and the 4 steps of 16 drew each of the 64 samples once."""
+    runs = [(kind, {"per_device": 4, "steps": 4, "split": SPLIT, "average_tokens_across_devices": average})
+            for kind in ("uses", "ignores") for average in (True, False)]
+    runs.append(("plain", {"per_device": 2, "steps": 4, "split": [2, 2, 5, 7], "gradient_accumulation_steps": 2}))
+    runs.append(("stock", {"per_device": 4, "steps": 4}))
+    ranks = values(run_ranks(4, balanced_runs, str(tmp_path), runs, tmp_path=tmp_path))
+    for r, (kind, _) in enumerate(runs[:-1]):
+        trained = [rank[r][0] for rank in ranks]
+        assert farthest(trained[0], trained[3]) == 0, "the ranks' weights differ"
+        assert farthest(trained[0], reference[kind]) < 1e-6, (runs[r], farthest(trained[0], reference[kind]))
+    assert [ranks[0][r][1] for r in range(len(runs))] == [True, True, False, False, None, None]  # "plain": no probe
+    assert farthest(ranks[0][-1][0], reference["plain"]) > 1e-3
+    served = [rank[0][2] for rank in ranks]
+    assert [len(s) for s in served] == [4 * b for b in SPLIT]
+    assert sorted(i for s in served for i in s) == list(range(SAMPLES))
+
+
+def stock_split_run(out, per_device, steps):
+    from transformers import Trainer
+
+    from hetcomm.integrations import BalancedBatches
+
+    class SameBatches(Trainer):
+        def get_train_dataloader(self):
+            batches = BalancedBatches(SAMPLES, 16, split=SPLIT, seed=0)
+            return torch.utils.data.DataLoader(self.train_dataset, batch_sampler=batches,
+                                               collate_fn=self.data_collator)
+
+    trainer = SameBatches(model=build("plain"), args=arguments(f"{out}/stock", per_device, steps),
+                          train_dataset=Tokens())
+    trainer.train()
+    return weights(trainer.model)
+
+
+def resume_runs(rank, world, out):
+    """6 steps straight (saving at 3, past the first epoch's 4), then again from step 3's
+    checkpoint, with a split chosen by timing (static) that the checkpoint carries."""
+    as_torchrun(rank, world)
+    from hetcomm.integrations.transformers import BalancedTrainer
+
+    def trainer(folder):
+        return BalancedTrainer(model=build("uses"), args=arguments(folder, 4, 6, save_strategy="steps", save_steps=3),
+                               train_dataset=Tokens(), balance="static", wire_dtype=torch.float32)
+
+    straight = trainer(f"{out}/straight")
+    if rank == 3:
+        slow_down(straight.model, 0.004)
+    straight.train()
+    resumed = trainer(f"{out}/resumed")
+    resumed.train(resume_from_checkpoint=f"{out}/straight/checkpoint-3")
+    return weights(straight.model), weights(resumed.model), straight.batches.split, resumed.batches.split
+
+
+def test_resume_from_a_trainer_checkpoint_goes_on_bit_for_bit(tmp_path):
+    ranks = values(run_ranks(4, resume_runs, str(tmp_path), tmp_path=tmp_path))
+    straight, resumed, split, split_after = ranks[0]
+    assert farthest(straight, resumed) == 0
+    assert split == split_after and split[3] < 4, split
+
+
+def slow_down(model, seconds_per_sample):
+    model.register_forward_pre_hook(lambda module, args, kwargs: time.sleep(
+        seconds_per_sample * len(kwargs["input_ids"])), with_kwargs=True)
+
+
+def throttled(rank, world, out):
+    as_torchrun(rank, world)
+    from hetcomm.integrations.transformers import BalancedTrainer
+    trainer = BalancedTrainer(model=build("uses"), args=arguments(out, 8, 8), train_dataset=Tokens())
+    splits = []
+
+    class Record:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+        def on_step_end(self, *a, **k):
+            splits.append(trainer.batches.sampler.sizes)
+
+    trainer.add_callback(Record())
+    if rank == 1:
+        slow_down(trainer.model, 0.01)
+    trainer.train()
+    return splits
+
+
+def test_a_throttled_rank_gets_fewer_samples(tmp_path):
+    splits = values(run_ranks(4, throttled, str(tmp_path), tmp_path=tmp_path))[0]
+    assert splits[0] == (8, 8, 8, 8)
+    assert splits[-1][1] < 8 and sum(splits[-1]) == 32, splits
+
+
+def refusals(rank, world, out):
+    as_torchrun(rank, world)
+    from hetcomm.integrations.transformers import BalancedTrainer
+
+    class OwnSampler(BalancedTrainer):
+        def _get_train_sampler(self, dataset=None):
+            return None
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(Tokens().items)
+
+    cases = {"split_batches": (BalancedTrainer, {"accelerator_config": {"split_batches": True}}, Tokens()),
+             "_get_train_sampler": (OwnSampler, {}, Tokens()),
+             "IterableDataset": (BalancedTrainer, {}, Stream()),
+             "train_sampling_strategy": (BalancedTrainer, {"train_sampling_strategy": "group_by_length"}, Tokens())}
+    messages = {}
+    for name, (cls, extra, data) in cases.items():
+        try:
+            cls(model=build("uses"), args=arguments(out, 4, 1, **extra), train_dataset=data)
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def test_settings_it_cannot_honour_are_refused_by_name(tmp_path):
+    messages = values(run_ranks(2, refusals, str(tmp_path), tmp_path=tmp_path))[0]
+    assert set(messages) == {"split_batches", "_get_train_sampler", "IterableDataset", "train_sampling_strategy"}
+    for name, message in messages.items():
+        assert name in message, message
