@@ -121,3 +121,16 @@ class SimulatedSpeed:
 
         yield settle
         settle()
+
+
+def stretch_as_it_goes(model: torch.nn.Module, params: list[torch.nn.Parameter], settle: Callable[[], None]) -> None:
+    """Has a simulated speed's stretch paid as the compute goes, after each leaf module's
+    forward and each gradient's accumulation, as a slower device is slower at every
+    operation, instead of all at the end of a compute phase. Paid at the end, every rank
+    started a step computing at once and then slept: on the benchmark's 4 ranks on 2 cores
+    the slowest rank's compute ran 3.8-6.5% over its median a run, 0.7-3.7% paid as it goes."""
+    for module in model.modules():
+        if next(module.children(), None) is None:
+            module.register_forward_hook(lambda *_: settle())
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: settle())

@@ -22,6 +22,7 @@ from hetcomm.loop.agreement import agree_precision, check_same_parameters, check
 from hetcomm.loop.batches import load_batch
 from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
 from hetcomm.shard import FlatParameters, ShardedReducer
+from hetcomm.simulated import stretch_as_it_goes
 from hetcomm.shard.layout import bytes_needed
 from hetcomm.shard.spec import Shard, agree_layout, probe_state_memory
 
@@ -135,7 +136,7 @@ class BalancedLoop:
         if simulated_speed is not None:
             # Before the reducer's own gradient hooks, which run after these: a bucket leaves once
             # the stretch of its gradients is paid, as on a slower device.
-            _stretch_as_it_goes(model, params, lambda: self.settle_now())
+            stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.flat: FlatParameters | None = None
         if shard is not None:
             self.reducer = self._sharded_reducer(shard, params, probe_forward, wire_dtype, bucket_cap_mb, timeout,
@@ -430,19 +431,6 @@ class BalancedLoop:
             return bytes_needed(stop - start, self.flat.dtype, bucket) + wire
         elements = sum(p.numel() for p in self.trained_params)
         return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
-
-
-def _stretch_as_it_goes(model: nn.Module, params: list[nn.Parameter], settle: Callable[[], None]) -> None:
-    """Has a simulated speed's stretch paid as the compute goes, after each leaf module's
-    forward and each gradient's accumulation, as a slower device is slower at every
-    operation, instead of all at the end of a compute phase. Paid at the end, every rank
-    started a step computing at once and then slept: on the benchmark's 4 ranks on 2 cores
-    the slowest rank's compute ran 3.8-6.5% over its median a run, 0.7-3.7% paid as it goes."""
-    for module in model.modules():
-        if next(module.children(), None) is None:
-            module.register_forward_hook(lambda *_: settle())
-    for p in params:
-        p.register_post_accumulate_grad_hook(lambda _: settle())
 
 
 def _fingerprint_of(dataset, given: str | None) -> str | None:
