@@ -7,20 +7,33 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetcomm.comm import WeightedHookState, weighted_hook
+from hetcomm.comm.reducer import scalar_on
 
 
 class BalancedHookState(WeightedHookState):
-    """Equal weights 1/world: the integrations make each rank's loss a term of the mean
-    over the global batch themselves (scaled by world / N), so the average DDP takes is
-    the exact one. The loss scale is left to the framework (a GradScaler unscales, and
-    sees an overflow on the wire as the inf it becomes)."""
+    """Weights for gradients that are already terms of the global mean, or sums.
+
+    per_item=False: equal weights 1/world, for losses scaled to a term of the mean over
+    the global batch times the number of ranks (BalancedTrainer), so that the average
+    DDP would take is the exact one. per_item=True: each rank's gradient is of the sum
+    of its items' losses (set_count(n_i) before the step's last backward) and is weighted
+    by 1/N, N every rank's items (agreed at the first bucket): a framework that hands its
+    micro-batches over one at a time (Lightning) cannot know N before the last one.
+    The loss scale is left to the framework (a GradScaler unscales, and sees an
+    overflow on the wire as the inf it becomes)."""
 
     who = "hetcomm.integrations hook"
 
-    def __init__(self, batches, process_group=None, wire_dtype: torch.dtype = torch.float16):
+    def __init__(self, batches, process_group=None, wire_dtype: torch.dtype = torch.float16, per_item: bool = False):
         super().__init__(process_group=process_group, wire_dtype=wire_dtype)
-        self.batches = batches
-        self.set_weight(1.0 / dist.get_world_size(process_group))
+        self.batches, self.per_item = batches, per_item
+        if not per_item:
+            self.set_weight(1.0 / dist.get_world_size(process_group))
+
+    def _begin_step(self, device: torch.device) -> None:
+        super()._begin_step(device)
+        if self.per_item:
+            self._scale = scalar_on(1.0 / self.total, device)
 
 
 def balanced_hook(state: BalancedHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
