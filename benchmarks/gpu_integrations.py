@@ -1,0 +1,105 @@
+"""BalancedTrainer on a GPU, with Trainer's fp16 (autocast + GradScaler): two ranks share
+the one GPU over Gloo (NCCL refuses two ranks on one device) with an uneven split of 3/5
+of 8, the gradients through hetcomm's hook and its CUDA pack/unpack kernels. The weights
+after the steps are compared with one process's stock Trainer on the union batches:
+with the fp32 wire they must agree to fp16-autocast rounding; with the fp16 wire the
+wire carries the loss-scaled gradient (as DDP's fp16_compress_hook does), so GradScaler
+may skip a step the reference takes (each skip halves the loss scale): the difference
+and the final loss scales are reported.
+
+    python benchmarks/gpu_integrations.py --out results-folder
+
+Writes integrations_gpu.md (and prints it); exit status 1 if a check fails."""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from distributed import run_ranks, values  # noqa: E402
+
+STEPS = 5
+SPLIT = [3, 5]
+
+
+def gpu_arguments(out, per_device, **extra):
+    from test_integration_transformers import arguments
+    return arguments(out, per_device, STEPS, use_cpu=False, fp16=True, **extra)
+
+
+def balanced(rank, world, out, wire):
+    from test_integration_transformers import Tokens, as_torchrun, build, weights
+
+    from hetcomm.integrations.transformers import BalancedTrainer
+    as_torchrun(rank, world)
+    os.environ["LOCAL_RANK"] = "0"   # both ranks on the one GPU
+    trainer = BalancedTrainer(model=build("uses"), args=gpu_arguments(f"{out}/{wire}", 4, ddp_backend="gloo"),
+                              train_dataset=Tokens(), split=SPLIT, wire_dtype=getattr(torch, wire))
+    trainer.train()
+    return [w.cpu() for w in weights(trainer.model)], trainer.accelerator.scaler.get_scale()
+
+
+def reference(rank, world, out):
+    torch.distributed.destroy_process_group()
+    from test_integration_transformers import SAMPLES, Tokens, build, weights
+    from transformers import Trainer
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, dataset=None):
+            return order
+
+    trainer = InOrder(model=build("uses"), args=gpu_arguments(f"{out}/reference", 8), train_dataset=Tokens())
+    trainer.train()
+    return [w.cpu() for w in weights(trainer.model)], trainer.accelerator.scaler.get_scale()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    out = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = out / "integrations-scratch"
+    one, scale = values(run_ranks(1, reference, str(scratch), tmp_path=scratch))[0]
+    rows, failed = [], False
+    for wire in ("float32", "float16"):
+        ranks = values(run_ranks(2, balanced, str(scratch), wire, tmp_path=scratch))
+        trained, final_scale = ranks[0]
+        apart = max((a - b).abs().max().item() for a, b in zip(trained, one))
+        moved = max((a - b).abs().max().item() for a, b in zip(trained, build_initial()))
+        same = max((a - b).abs().max().item() for a, b in zip(ranks[0][0], ranks[1][0]))
+        ok = same == 0 and (wire == "float16" or apart < 2e-3) and moved > 1e-2
+        failed |= not ok
+        rows.append({"wire": wire, "from_reference": apart, "moved": moved, "ranks_apart": same,
+                     "loss_scale": final_scale, "reference_loss_scale": scale, "ok": ok})
+    name = torch.cuda.get_device_name(0)
+    lines = [f"# BalancedTrainer on {name} (fp16 autocast, GradScaler)", "",
+             f"{datetime.date.today()}, torch {torch.__version__}; 2 ranks on one GPU over Gloo, split {SPLIT} of 8, "
+             f"{STEPS} SGD steps (lr 0.5) of the tiny GPT-2 of tests/test_integration_transformers.py, against one "
+             f"process's stock Trainer on the union batches. Not a legacy GPU: it checks the CUDA path, not speed.", "",
+             "| wire | max abs(w - reference) | max abs(w - w0) | ranks apart | loss scale (ours / reference) | ok |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['wire']} | {r['from_reference']:.3g} | {r['moved']:.3g} | {r['ranks_apart']:.3g} | "
+                     f"{r['loss_scale']:.0f} / {r['reference_loss_scale']:.0f} | {'yes' if r['ok'] else 'NO'} |")
+    text = "\n".join(lines) + "\n"
+    (out / "integrations_gpu.md").write_text(text)
+    (out / "integrations_gpu.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 1 if failed else 0
+
+
+def build_initial():
+    from test_integration_transformers import build
+    return [p.detach().clone() for p in build("uses").parameters()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
