@@ -141,8 +141,10 @@ class BalancedTrainer(Trainer):
         # across devices, gradient_accumulation_steps (after this returns) when it takes
         # the loss for a micro-batch mean.
         multiplied = world if passed and self.args.average_tokens_across_devices else 1
-        scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else \
-            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)   # a setting since transformers 5.2x
+        if scaled_for_ga is None:
+            scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
         divided = 1 if scaled_for_ga else self.current_gradient_accumulation_steps
         # The loss's own divisor: num_items_in_batch when it uses it, else its items.
         divisor = float(num_items_in_batch) if passed and self.loss_uses_num_items else items
