@@ -16,7 +16,16 @@ from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm.collectives import gather_floats
 
 BALANCE = ("dynamic", "static", "equal")
+# The step whose times give the first split: the first one's hold one-time costs. On the
+# simulated cluster (speeds 1,1,0.5,0.25), the first step's times split 16 as [9, 4, 2, 1].
+TIMED_STEP = 1
 logger = logging.getLogger("hetcomm")
+if not logger.handlers:
+    # The split's changes are a line on rank 0's stderr, as Trainer's own progress is. To route
+    # them elsewhere: logging.getLogger("hetcomm").handlers.clear(), propagate = True.
+    logger.addHandler(logging.StreamHandler())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 class BalancedBatches:
@@ -34,8 +43,8 @@ class BalancedBatches:
         global_batch: samples per optimizer step over all ranks.
         accumulation: micro-batches per optimizer step on every rank; every rank's share
             is at least this, so that no micro-batch is empty.
-        balance: "dynamic" (split from the first step's timing, rebalanced while
-            training), "static" (from the first step's timing only) or "equal".
+        balance: "dynamic" (split from the second step's timing, rebalanced while
+            training), "static" (from the second step's timing only) or "equal".
         split: a fixed split, one count per rank (no balancing).
         max_micro_batch: the largest micro-batch a rank can hold, one for all or one per
             rank (None: no cap); a rank's share is at most accumulation times it.
@@ -137,14 +146,14 @@ class BalancedBatches:
             raise RuntimeError(f"{self.who}: step_finished without step_started")
         seconds = (self.computed or time.perf_counter()) - self.started
         self.started = None
-        if self.rebalancer is None or (self.balance == "static" and step > 0):
-            return
+        if self.rebalancer is None or step == 0 or (self.balance == "static" and step > TIMED_STEP):
+            return   # the first step's times hold one-time costs (allocator, thread pools, autotuning)
         rows = gather_floats([seconds])
         times = [row[0] for row in rows]
         done = list(self.shares[step])
-        if step == 0:
-            # The first split from the first step's throughputs; the rebalancer reviews it
-            # once its own estimates are in (they leave out this step's one-time costs).
+        if step == TIMED_STEP:
+            # The first split from the second step's throughputs; the rebalancer reviews it
+            # once its own estimates are in.
             sizes = solve_split(self.global_batch, [(0.0, t / n) for t, n in zip(times, done)], self.caps,
                                 self.rebalancer.rebalancer.policy, min_per_rank=self.accumulation).sizes
             self.rebalancer.rebalancer.adopt(sizes)

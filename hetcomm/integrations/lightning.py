@@ -35,8 +35,8 @@ class BalancedStrategy(DDPStrategy):
     """DDPStrategy whose ranks take shares of each global batch by speed.
 
     Args (besides DDPStrategy's, except the comm hook, which is hetcomm's):
-        balance: "dynamic" (split from the first step's timing, rebalanced while training),
-            "static" (first step only) or "equal" (the exact weighting alone).
+        balance: "dynamic" (split from the second step's timing, rebalanced while training),
+            "static" (that split throughout) or "equal" (the exact weighting alone).
         split: a fixed split of the global batch, one count per rank.
         wire_dtype: the gradients' dtype on the wire (float16, float32; bfloat16 on NCCL).
         max_micro_batch: the largest micro-batch each rank holds (one for all, or one per
