@@ -186,17 +186,20 @@ def refusals(rank, world):
     as_launched(rank, world)
     from hetcomm.integrations.lightning import BalancedStrategy
     data = Served()
-    cases = {"use_distributed_sampler": (dict(use_distributed_sampler=True), loader(data, 4)),
-             "SequentialSampler": ({}, torch.utils.data.DataLoader(data, batch_size=4)),
-             "IterableDataset": ({}, torch.utils.data.DataLoader(Stream(), batch_size=4))}
+    manual = module()
+    manual.automatic_optimization = False
+    cases = {"use_distributed_sampler": (dict(use_distributed_sampler=True), loader(data, 4), module()),
+             "SequentialSampler": ({}, torch.utils.data.DataLoader(data, batch_size=4), module()),
+             "IterableDataset": ({}, torch.utils.data.DataLoader(Stream(), batch_size=4), module()),
+             "automatic_optimization": ({}, loader(data, 4), manual)}
     messages = {}
-    for name, (extra, train) in cases.items():
+    for name, (extra, train, lightning_module) in cases.items():
         try:
             import lightning as L
             settings = dict(accelerator="cpu", devices=world, strategy=BalancedStrategy(), max_steps=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False)
-            L.Trainer(**{**settings, **extra}).fit(module(), train)
+            L.Trainer(**{**settings, **extra}).fit(lightning_module, train)
         except ValueError as error:
             messages[name] = str(error)
     try:
@@ -213,6 +216,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 def test_loaders_and_settings_it_cannot_honour_are_refused_by_name(tmp_path):
     messages = values(run_ranks(2, refusals, tmp_path=tmp_path))[0]
-    assert set(messages) == {"use_distributed_sampler", "SequentialSampler", "IterableDataset", "ddp_comm_hook"}
+    assert set(messages) == {"use_distributed_sampler", "SequentialSampler", "IterableDataset", "ddp_comm_hook",
+                             "automatic_optimization"}
     for name, message in messages.items():
         assert name in message, message

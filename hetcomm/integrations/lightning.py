@@ -68,6 +68,10 @@ class BalancedStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("BalancedStrategy: automatic_optimization = False: the strategy weights the losses that "
+                             "Lightning's automatic optimisation hands to backward; manual optimisation is not "
+                             "supported")
         if trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("BalancedStrategy: pass use_distributed_sampler=False to the Trainer: hetcomm deals each "
                              "rank its own share of every batch")
