@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The integrations' GPU check, in one device call: installs transformers and accelerate
 # from wheels carried in gpu-wheels/ when the machine lacks them (it cannot reach an
-# index), builds hetcomm for this GPU only, runs benchmarks/gpu_integrations.py.
+# index), builds hetcomm for this GPU only, runs the integrations' CPU tests against the
+# machine's own transformers (another version than CI's), then benchmarks/gpu_integrations.py.
 #   OUT=/tmp/out bash benchmarks/gpu_integrations.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,6 +21,9 @@ cd "$ROOT"
   time TORCH_CUDA_ARCH_LIST="$CAP" HETCOMM_CUDA=1 MAX_JOBS=16 "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1
   tail -3 "$OUT/build.log"
   "$PY" -m hetcomm info | head -30
+  PYTHONPATH="$ROOT" "$PY" -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
+    tests/test_integration_accelerate.py tests/test_example_hf_trainer.py > "$OUT/integration_tests.log" 2>&1
+  echo "integration tests: exit $?; $(tail -1 "$OUT/integration_tests.log")"
   PYTHONPATH="$ROOT" "$PY" benchmarks/gpu_integrations.py --out "$OUT"
 } 2>&1 | tee "$OUT/gpu_integrations.log"
 exit "${PIPESTATUS[0]}"
