@@ -78,6 +78,7 @@ class BalancedBatches:
         self.positions: dict[int, tuple[int, int, tuple[int, ...]]] = {}   # step -> epoch, cursor, split before it
         self.shares: dict[int, tuple[int, ...]] = {}   # step -> every rank's samples in it
         self.scheduled: dict[int, tuple[int, ...]] = {}  # step -> split from then on, not yet drawn
+        self.placeholders = 0            # empty micro-batches to yield first, for a loader that skips them
         self.finished = 0                # steps whose timing is in
         self.started: float | None = None
         self.computed: float | None = None
@@ -92,7 +93,10 @@ class BalancedBatches:
 
     def __iter__(self) -> Iterator[list[int]]:
         """The micro-batches from the current position to the end of its epoch (from the
-        next epoch's start when the current one is done)."""
+        next epoch's start when the current one is done), after any placeholders."""
+        while self.placeholders:
+            self.placeholders -= 1
+            yield []
         while True:
             for part in self._cut(self._draw_step()):
                 yield part
@@ -189,9 +193,17 @@ class BalancedBatches:
                 "scheduled": {str(k): v for k, v in coming.items() if k > step},
                 "rebalancer": self.rebalancer.rebalancer.state_dict() if self.rebalancer else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def done_in_epoch(self) -> int:
+        """Micro-batches of the current epoch already run (where a resumed run stands)."""
+        return self.sampler.cursor // self.global_batch * self.accumulation
+
+    def load_state_dict(self, state: dict, *, skipped_by_loader: bool = False) -> None:
         """Continues where state_dict() was taken: same dataset, seed, global batch,
-        accumulation and number of ranks (ValueError naming the one that differs)."""
+        accumulation and number of ranks (ValueError naming the one that differs).
+        skipped_by_loader: the framework skips the micro-batches its epoch has run by
+        drawing them from a fresh loader and dropping them (accelerate's
+        skip_first_batches): that many empty placeholders come first, which it drops
+        without loading anything."""
         for key, mine in (("global_batch", self.global_batch), ("accumulation", self.accumulation),
                           ("world", self.world)):
             if state[key] != mine:
@@ -203,6 +215,7 @@ class BalancedBatches:
         self.scheduled = {int(k): tuple(v) for k, v in state["scheduled"].items()}
         if self.rebalancer is not None and state["rebalancer"] is not None:
             self.rebalancer.rebalancer.load_state_dict(state["rebalancer"])
+        self.placeholders = self.done_in_epoch() if skipped_by_loader else 0
 
 
 def loader_steps_ahead(num_workers: int, prefetch_factor: int | None, accumulation: int) -> int:

@@ -93,7 +93,10 @@ class BalancedTrainer(Trainer):
             steps_ahead=loader_steps_ahead(workers, args.dataloader_prefetch_factor, accumulation),
             **self.balance_settings)
         if self.resume_path is not None:
-            self.batches.load_state_dict(_read_state(self.resume_path))
+            # Trainer before 5.2x skips the epoch's done micro-batches with accelerate's
+            # skip_first_batches; later ones ask get_resumed_dataloader, which skips nothing.
+            self.batches.load_state_dict(_read_state(self.resume_path),
+                                         skipped_by_loader=not hasattr(Trainer, "get_resumed_dataloader"))
         extra = {"prefetch_factor": args.dataloader_prefetch_factor,
                  "persistent_workers": args.dataloader_persistent_workers} if workers else {}
         return DataLoader(dataset, batch_sampler=self.batches, collate_fn=collator, num_workers=workers,
@@ -102,7 +105,7 @@ class BalancedTrainer(Trainer):
 
     def get_resumed_dataloader(self, dataloader: DataLoader, num_batches: int) -> DataLoader:
         """The batches continue from the checkpoint's position already: nothing to skip."""
-        epoch_batches = self.batches.sampler.cursor // self.batches.global_batch * self.batches.accumulation
+        epoch_batches = self.batches.done_in_epoch()
         if epoch_batches != num_batches:
             raise ValueError(f"BalancedTrainer: the checkpoint's balancing state is {epoch_batches} micro-batches "
                              f"into its epoch, Trainer's state {num_batches}: they belong to different runs")
