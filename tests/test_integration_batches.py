@@ -4,6 +4,9 @@ placeholders for a framework that skips what an epoch has run, the steps a loade
 workers draws ahead, and the settings it refuses (the split on several ranks is tested
 through the Trainer and Lightning integrations)."""
 
+import subprocess
+import sys
+
 import pytest
 
 from hetcomm.integrations import BalancedBatches, loader_steps_ahead
@@ -75,3 +78,18 @@ def test_steps_ahead_of_a_loader_with_workers():
 def test_bad_settings_are_refused_by_name(arguments, named):
     with pytest.raises(ValueError, match=named):
         BalancedBatches(**arguments)
+
+
+@pytest.mark.parametrize("module, framework, extra", [("transformers", "transformers", "hf"),
+                                                      ("transformers", "accelerate", "hf"),
+                                                      ("lightning", "lightning", "lightning")])
+def test_without_its_framework_hetcomm_imports_and_the_integration_says_what_to_install(module, framework, extra):
+    code = (f"import sys; sys.modules[{framework!r}] = None\n"
+            "import hetcomm, hetcomm.integrations\n"
+            "try:\n"
+            f"    import hetcomm.integrations.{module}\n"
+            "except ImportError as error:\n"
+            "    print(error)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"needs {framework}: pip install 'hetcomm[{extra}]'" in run.stdout, run.stdout
