@@ -226,6 +226,16 @@ def loader_steps_ahead(num_workers: int, prefetch_factor: int | None, accumulati
     return math.ceil(num_workers * (prefetch_factor or 2) / accumulation)
 
 
+def check_settings(dataset_size: int, global_batch: int, world: int, *, accumulation: int = 1,
+                   balance: str = "dynamic", split=None, max_micro_batch=None, drop_last: bool = False,
+                   who: str = "hetcomm") -> None:
+    """What BalancedBatches would refuse, for a framework to refuse it when it is set up
+    rather than when its loader is built."""
+    _check(dataset_size, global_batch, accumulation, balance, 0, world, drop_last, who)
+    _fixed_split(split, world, global_batch, accumulation, who)
+    _caps(max_micro_batch, world, accumulation, who)
+
+
 def _check(dataset_size, global_batch, accumulation, balance, steps_ahead, world, drop_last, who) -> None:
     """ValueError naming the argument, before anything is drawn."""
     for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),

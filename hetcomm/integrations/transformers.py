@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hetcomm.comm.collectives import gather_floats
 from hetcomm.integrations import require
-from hetcomm.integrations.batches import BalancedBatches, loader_steps_ahead
+from hetcomm.integrations.batches import BalancedBatches, check_settings, loader_steps_ahead
 from hetcomm.integrations.hook import BalancedHookState, balanced_hook
 from hetcomm.integrations.items import count_items as items_in, total_items
 
@@ -59,6 +59,11 @@ class BalancedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         _check_trainer(self)
         self.balance_settings = {"balance": balance, "split": split, "max_micro_batch": max_micro_batch}
+        if self.train_dataset is not None:
+            a = self.args
+            check_settings(len(self.train_dataset), _global_batch(a), a.world_size,
+                           accumulation=a.gradient_accumulation_steps, drop_last=a.dataloader_drop_last,
+                           who="BalancedTrainer", **self.balance_settings)
         self.wire_dtype = wire_dtype
         self.items_of = count_items or (lambda batch: items_in(batch, self._loss_shifts_labels))
         self.batches: BalancedBatches | None = None
@@ -87,7 +92,7 @@ class BalancedTrainer(Trainer):
         accumulation = args.gradient_accumulation_steps
         workers = args.dataloader_num_workers
         self.batches = BalancedBatches(
-            len(dataset), args.per_device_train_batch_size * args.world_size * accumulation,
+            len(dataset), _global_batch(args),
             accumulation=accumulation, seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last, who="BalancedTrainer",
             steps_ahead=loader_steps_ahead(workers, args.dataloader_prefetch_factor, accumulation),
@@ -230,6 +235,10 @@ def _check_trainer(trainer: Trainer) -> None:
     if args.n_gpu > 1:
         raise ValueError(f"BalancedTrainer: n_gpu = {args.n_gpu} (DataParallel over one process's GPUs); run one "
                          f"process per GPU (torchrun)")
+
+
+def _global_batch(args) -> int:
+    return args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
 
 
 def _read_state(checkpoint: str) -> dict:
