@@ -18,10 +18,10 @@ Figures, over the steady steps (those after the first --warmup):
       median over its steady steps of (the wall time from Trainer's on_step_begin to
       the rank's last gradient of the step, simulated stretch included) / 32. Gloo's
       all-reduces run in the background of the backward there and are waited for only
-      after the last gradient, so no wait for another rank is in it (in the balanced
-      run the hook's per-step weight agreement waits inside the backward, so its times
-      are not used). The bound leaves out the loader, the all-reduce's tail and the
-      update, which both runs pay.
+      after the last gradient, so no wait for another rank is in it (nor, after its
+      first step, in the balanced run's: its hook agrees with the other ranks once). The
+      bound leaves out the loader, the all-reduce's tail and the update, which both runs
+      pay.
 
     python benchmarks/bench_hf_trainer.py                        # ~2 minutes on 2 cores
     python benchmarks/bench_hf_trainer.py --out benchmarks/results   # hf_trainer_cpu.md
@@ -159,7 +159,7 @@ def main():
             f"({stock['step_s'] / balanced['step_s']:.2f}x as fast).\n\n"
             f"Measured milliseconds per sample t_i by rank, in the stock run (the bound's): "
             f"{per_sample['stock transformers.Trainer']}; in the balanced run, at its own shares (fewer samples "
-            f"carry a step's fixed costs, and the wait in the hook's weight agreement is inside): "
+            f"carry a step's fixed costs): "
             f"{per_sample['hetcomm BalancedTrainer']}. Each run's wall time with the start of its ranks: stock "
             f"{stock['wall_s']:.0f} s, balanced {balanced['wall_s']:.0f} s.")
     print(text)
