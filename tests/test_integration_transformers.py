@@ -220,7 +220,8 @@ def slow_down(model, seconds_per_sample):
 def throttled(rank, world, out):
     as_torchrun(rank, world)
     from hetcomm.integrations.transformers import BalancedTrainer
-    trainer = BalancedTrainer(model=build("uses"), args=arguments(out, 8, 8), train_dataset=Tokens())
+    trainer = BalancedTrainer(model=build("uses"), args=arguments(out, 8, 8), train_dataset=Tokens(),
+                              max_micro_batch=10)
     splits = []
 
     class Record:
@@ -237,10 +238,13 @@ def throttled(rank, world, out):
     return splits
 
 
-def test_a_throttled_rank_gets_fewer_samples(tmp_path):
+def test_a_throttled_rank_gets_fewer_samples_within_the_others_caps(tmp_path):
+    """Rank 1 at a tenth of the others' speed would get ~1 of 32 samples; the others hold
+    at most 10 (max_micro_batch), so it keeps 2."""
     splits = values(run_ranks(4, throttled, str(tmp_path), tmp_path=tmp_path))[0]
     assert splits[0] == (8, 8, 8, 8)
     assert splits[-1][1] < 8 and sum(splits[-1]) == 32, splits
+    assert all(max(split) <= 10 for split in splits), splits
 
 
 def refusals(rank, world, out):
