@@ -1,5 +1,5 @@
 """The recipe for a plain `accelerate` training loop: hetcomm's batch sampler for the
-loader, hetcomm's DDP hook on the prepared model, the loss turned into its items' sum.
+loader, hetcomm's DDP hook on the prepared model, the loss weighted by its items.
 A causal GPT-2 on Python's standard-library sources as bytes.
 
     python examples/accelerate_loop.py                  # 4 simulated CPU workers, a tiny GPT-2
@@ -42,7 +42,7 @@ def train(rank: int, world: int, device: torch.device, args, split=None):
     batches = BalancedBatches(len(data), args.global_batch, split=split, balance=args.balance, seed=args.seed)
     loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # hetcomm: its hook weights each rank's gradient of the summed loss by 1 / (all ranks' items).
+    # hetcomm: its hook weights each rank's gradient by its items over all ranks' items.
     hook = BalancedHookState(batches, wire_dtype=torch.float32 if device.type == "cpu" else torch.float16,
                              per_item=True)
     model.register_comm_hook(hook, balanced_hook)
@@ -57,9 +57,8 @@ def train(rank: int, world: int, device: torch.device, args, split=None):
             with speed.compute(len(losses)) if speed else _nothing() as settle[0]:
                 batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                 items = count_items(batch, shifted=True)             # the tokens it predicts
-                hook.set_count(items)                                # hetcomm
                 loss = model(**batch).loss                           # the mean over its tokens
-                accelerator.backward(loss * items)                   # hetcomm: their sum
+                accelerator.backward(loss * hook.scale_for(items))   # hetcomm: weighted by them
             optimizer.step()
             optimizer.zero_grad()
             batches.step_finished()                                  # hetcomm

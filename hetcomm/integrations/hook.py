@@ -17,13 +17,15 @@ class BalancedHookState(WeightedHookState):
     the global batch times the number of ranks (BalancedTrainer), so that the average
     DDP would take is the exact one. The ranks agree once, on the first step, that their
     wire dtypes and weights match; later steps send their buckets without waiting for
-    one another in the backward. per_item=True: each rank's gradient is of the sum of
-    its items' losses (set_count(n_i) before the step's last backward) and is weighted
-    by 1/N, N every rank's items, agreed at each step's first bucket (a framework that
-    hands its micro-batches over one at a time, as Lightning does, cannot know N before
-    the last one; packing the sum and dividing after the all-reduce would put N times
-    the mean's values on a 16-bit wire). The loss scale is left to the framework (a
-    GradScaler unscales, and sees an overflow on the wire as the inf it becomes)."""
+    one another in the backward. per_item=True: each micro-batch's mean loss is multiplied
+    by scale_for(its items) = items / r, r the step's first micro-batch's items on this
+    rank, so that the rank's gradient is of its items' summed losses over r, and the hook
+    weights it by r / N, N every rank's items, agreed at each step's first bucket (a
+    framework that hands its micro-batches over one at a time, as Lightning does, cannot
+    know N before the last one). Dividing by r keeps the gradients at a mean's size: a sum
+    would be N times larger in a 16-bit backward (on the H200 a GradScaler skipped 3 of 4
+    steps) and on the wire. The loss scale is left to the framework (a GradScaler
+    unscales, and sees an overflow on the wire as the inf it becomes)."""
 
     who = "hetcomm.integrations hook"
 
@@ -31,8 +33,22 @@ class BalancedHookState(WeightedHookState):
         super().__init__(process_group=process_group, wire_dtype=wire_dtype)
         self.batches, self.per_item = batches, per_item
         self.agreed = False
+        self.step_items = 0.0             # per_item: this rank's items in the step so far
+        self.reference: float | None = None   # per_item: r, the step's first micro-batch's items
         if not per_item:
             self.set_weight(1.0 / dist.get_world_size(process_group))
+
+    def scale_for(self, items: float) -> float:
+        """per_item: records a micro-batch's items (before its backward); returns what its
+        mean loss is multiplied by. The first call after a step's reduction starts a step."""
+        if not self.per_item:
+            raise RuntimeError(f"{self.who}: scale_for is for per_item=True; equal weights take the loss as it is")
+        items = float(items)
+        if self.reference is None:
+            self.step_items, self.reference = 0.0, items if items > 0 else 1.0
+        self.step_items += items
+        self.set_count(self.step_items)
+        return items / self.reference
 
     def _begin_step(self, device: torch.device) -> None:
         if self.per_item or not self.agreed:
@@ -42,7 +58,10 @@ class BalancedHookState(WeightedHookState):
             self.found_inf = torch.zeros(1, device=device)
             self.sq_norm = torch.zeros(1, device=device)
         if self.per_item:
-            self._scale = scalar_on(1.0 / self.total, device)
+            if self.reference is None:
+                raise RuntimeError(f"{self.who}: call scale_for(items) for each micro-batch before its backward")
+            self._scale = scalar_on(self.reference / self.total, device)
+            self.reference = None
 
 
 def balanced_hook(state: BalancedHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

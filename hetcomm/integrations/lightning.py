@@ -58,7 +58,6 @@ class BalancedStrategy(DDPStrategy):
         self.hook_state: BalancedHookState | None = None
         self.restored: dict | None = None
         self.micro_items = 0.0     # the running micro-batch's items
-        self.step_items = 0.0      # this rank's items in the running step so far
 
     # --- data ----------------------------------------------------------------------------
 
@@ -103,7 +102,6 @@ class BalancedStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
             self.batches.step_started()
-            self.step_items = 0.0
 
     def training_step(self, *args, **kwargs):
         self.micro_items = float(self.items_of(args[0]))
@@ -111,11 +109,10 @@ class BalancedStrategy(DDPStrategy):
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The micro-batch's mean loss (divided by accumulate_grad_batches, as Lightning
-        does) turned into the sum over its items; the hook divides by all ranks' items."""
-        self.step_items += self.micro_items
-        self.hook_state.set_count(self.step_items)
+        does) weighted by its items; the hook divides by all ranks' items."""
         accumulation = self.lightning_module.trainer.accumulate_grad_batches
-        return super().backward(closure_loss * (self.micro_items * accumulation), optimizer, *args, **kwargs)
+        factor = accumulation * self.hook_state.scale_for(self.micro_items)
+        return super().backward(closure_loss * factor, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
