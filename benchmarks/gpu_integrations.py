@@ -59,18 +59,10 @@ def balanced(rank, world, out, precision, wire):
 
 def reference(rank, world, out):
     torch.distributed.destroy_process_group()
-    from test_integration_transformers import SAMPLES, Tokens, build, weights
-    from transformers import Trainer
-    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
-
-    class InOrder(Trainer):
-        def _get_train_sampler(self, dataset=None):
-            return order
-
+    from test_integration_transformers import build, in_hetcomm_order, weights
     trained = {}
     for precision in ("fp16", "bf16"):
-        trainer = InOrder(model=build("uses"), args=gpu_arguments(f"{out}/reference-{precision}", 8, precision),
-                          train_dataset=Tokens())
+        trainer = in_hetcomm_order(build("uses"), gpu_arguments(f"{out}/reference-{precision}", 8, precision))
         trainer.train()
         trained[precision] = [w.cpu() for w in weights(trainer.model)], loss_scale(trainer)
     return trained

@@ -118,11 +118,10 @@ def balanced_runs(rank, world, out, runs):
     return found
 
 
-def one_process(rank, world, out, steps):
-    """The stock Trainer on one process, each step's global batch (the permutation's
-    next 16 samples, as hetcomm deals them) in one micro-batch: for the model whose loss
-    divides by num_items_in_batch (which Trainer counts), and for a mean loss."""
-    torch.distributed.destroy_process_group()
+def in_hetcomm_order(model, args):
+    """A stock Trainer on one process drawing the samples in the order hetcomm deals
+    them (the epoch's permutation, seed 0), each step's global batch in one micro-batch
+    when per_device_train_batch_size is the global batch."""
     from transformers import Trainer
 
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
@@ -131,9 +130,16 @@ def one_process(rank, world, out, steps):
         def _get_train_sampler(self, dataset=None):
             return order
 
+    return InOrder(model=model, args=args, train_dataset=Tokens())
+
+
+def one_process(rank, world, out, steps):
+    """The stock Trainer on one process on the union batches: for the model whose loss
+    divides by num_items_in_batch (which Trainer counts), and for a mean loss."""
+    torch.distributed.destroy_process_group()
     trained = {}
     for kind in ("uses", "plain"):
-        trainer = InOrder(model=build(kind), args=arguments(f"{out}/{kind}", 16, steps), train_dataset=Tokens())
+        trainer = in_hetcomm_order(build(kind), arguments(f"{out}/{kind}", 16, steps))
         trainer.train()
         trained[kind] = weights(trainer.model)
     trained["ignores"] = trained["plain"]

@@ -7,6 +7,7 @@ the integrations call step_started / compute_done / step_finished around each st
 import logging
 import math
 import time
+from itertools import accumulate
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
@@ -117,13 +118,8 @@ class BalancedBatches:
 
     def _cut(self, indices: list[int]) -> list[list[int]]:
         """A share cut into `accumulation` micro-batches, as even as integers allow."""
-        base, extra = divmod(len(indices), self.accumulation)
-        parts, start = [], 0
-        for j in range(self.accumulation):
-            size = base + (j < extra)
-            parts.append(indices[start: start + size])
-            start += size
-        return parts
+        sizes = equal_split(len(indices), self.accumulation)
+        return [indices[end - size: end] for size, end in zip(sizes, accumulate(sizes))]
 
     # --- around each optimizer step ----------------------------------------------------
 
@@ -136,8 +132,9 @@ class BalancedBatches:
         self.started, self.computed = time.perf_counter(), None
 
     def compute_done(self) -> None:
-        """This rank's compute of the step is done (a DDP hook calls it at the first
-        gradient bucket, before it waits for the other ranks); the first call counts."""
+        """This rank's compute of the step is done (the integrations' DDP hook calls it at
+        the last gradient bucket, or at the first when an agreement there waits for the
+        other ranks); the first call counts."""
         if self.computed is None:
             self.computed = time.perf_counter()
 

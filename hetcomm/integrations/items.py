@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from hetcomm.comm.collectives import gather_floats
+from hetcomm.loop.batches import first_tensor
 
 IGNORE_INDEX = -100
 
@@ -19,7 +20,7 @@ def count_items(batch, shifted: bool = False) -> int:
         if shifted and "shift_labels" not in batch:
             labels = labels[..., 1:]
         return int(labels.ne(IGNORE_INDEX).sum())
-    first = _first_tensor(batch)
+    first = first_tensor(batch)
     if first is None:
         raise ValueError("count_items: the batch holds no tensor to count samples by; pass count_items=... "
                          "(a function of a micro-batch returning the items its loss averages over)")
@@ -32,13 +33,3 @@ def total_items(local: float) -> float:
         return float(local)
     return sum(row[0] for row in gather_floats([local]))
 
-
-def _first_tensor(batch):
-    if torch.is_tensor(batch):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None

@@ -103,9 +103,12 @@ class BalancedStrategy(DDPStrategy):
         if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
             self.batches.step_started()
 
-    def training_step(self, *args, **kwargs):
-        self.micro_items = float(self.items_of(args[0]))
-        return super().training_step(*args, **kwargs)
+    def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
+        """A training micro-batch's items are counted here, on the loader's host tensors
+        (on the device, reading the count would wait for the GPU at every micro-batch)."""
+        if self.lightning_module.trainer.training:
+            self.micro_items = float(self.items_of(batch))
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The micro-batch's mean loss (divided by accumulate_grad_batches, as Lightning

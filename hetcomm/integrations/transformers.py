@@ -69,17 +69,16 @@ class BalancedTrainer(Trainer):
         self.batches: BalancedBatches | None = None
         self.resume_path: str | None = None
         self.step_items: float | None = None     # this step's items over all ranks
+        self.micro_items: list[int] = []         # this rank's micro-batches' items not yet trained on
+        self.num_items: float | None = None      # Trainer's num_items_in_batch of the step
         self.loss_uses_num_items: bool | None = None  # found on the first step that passes num_items_in_batch
         self.add_callback(_Balancing(self))
 
     # --- data ----------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        self.resume_path = resume_from_checkpoint
-        if resume_from_checkpoint is True:
-            self.resume_path = get_last_checkpoint(self.args.output_dir)
-        if resume_from_checkpoint is False:
-            self.resume_path = None
+        self.resume_path = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
+            else resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -124,7 +123,11 @@ class BalancedTrainer(Trainer):
         if len(samples) != self.args.gradient_accumulation_steps:
             raise RuntimeError(f"BalancedTrainer: the step drew {len(samples)} micro-batches, expected "
                                f"gradient_accumulation_steps = {self.args.gradient_accumulation_steps}")
-        self.step_items = total_items(sum(self.items_of(batch) for batch in samples))
+        # Counted here, once, on the loader's host tensors: compute_loss takes them in order.
+        self.micro_items = [self.items_of(batch) for batch in samples]
+        self.step_items = total_items(sum(self.micro_items))
+        # Trainer's count, on the device: read once a step, not at every micro-batch.
+        self.num_items = float(num_items) if num_items is not None else None
         if self.step_items <= 0:
             raise ValueError("BalancedTrainer: the step's micro-batches hold no item to average the loss over on any "
                              "rank (every label is -100?)")
@@ -137,7 +140,10 @@ class BalancedTrainer(Trainer):
         batch times the number of ranks (DDP divides by it)."""
         if not model.training or self.step_items is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        items = self.items_of(inputs)
+        if not self.micro_items:
+            raise RuntimeError("BalancedTrainer: compute_loss was called in training more often than the step has "
+                               "micro-batches")
+        items = self.micro_items.pop(0)
         passed = num_items_in_batch is not None and (self.model_accepts_loss_kwargs
                                                      or self.compute_loss_func is not None)
         if passed and self.loss_uses_num_items is None:
@@ -155,7 +161,7 @@ class BalancedTrainer(Trainer):
                 or self.compute_loss_func is not None
         divided = 1 if scaled_for_ga else self.current_gradient_accumulation_steps
         # The loss's own divisor: num_items_in_batch when it uses it, else its items.
-        divisor = float(num_items_in_batch) if passed and self.loss_uses_num_items else items
+        divisor = self.num_items if passed and self.loss_uses_num_items else items
         loss = loss * (divided * divisor * world / (multiplied * self.step_items))
         return (loss, result[1]) if return_outputs else loss
 

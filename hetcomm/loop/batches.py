@@ -26,12 +26,13 @@ def _to_device(batch, device: torch.device):
     return batch
 
 
-def _first_tensor(batch) -> torch.Tensor | None:
+def first_tensor(batch) -> torch.Tensor | None:
+    """The first tensor of a batch (a tensor, or nested mappings, lists and tuples), or None."""
     if isinstance(batch, torch.Tensor):
         return batch
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
-        found = _first_tensor(value)
+        found = first_tensor(value)
         if found is not None:
             return found
     return None
@@ -45,7 +46,7 @@ def load_batch(dataset, collate_fn: Callable, indices: list[int], device: torch.
     getitems = getattr(dataset, "__getitems__", None)
     samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
     batch = collate_fn(samples)
-    first = _first_tensor(batch)
+    first = first_tensor(batch)
     if first is not None and (first.dim() == 0 or first.shape[0] != len(indices)):
         size = "a scalar" if first.dim() == 0 else f"{first.shape[0]} samples"
         raise ValueError(f"BalancedLoop: collate_fn returned a batch of {size} (its first tensor, shape "
