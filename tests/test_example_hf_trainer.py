@@ -14,6 +14,8 @@ import pytest
 import torch
 from distributed import run_ranks, values
 
+import work_clock
+
 pytest.importorskip("transformers", minversion="5.0", reason="the example needs pip install 'hetcomm[hf]'")
 pytest.importorskip("accelerate", reason="the example needs pip install 'hetcomm[hf]'")
 
@@ -33,15 +35,18 @@ def arguments(trainer: str):
 
 class Computed(example.TrainerCallback):
     """The samples the model's training forwards took in each step (Trainer's own, not
-    BalancedTrainer's no-grad probe of the loss)."""
+    BalancedTrainer's no-grad probe of the loss), each counted on the rank's work clock
+    too: BalancedTrainer's split comes from that clock, at the rank's simulated speed,
+    not from the wall time of 4 ranks on a busy 2-core host."""
 
-    def __init__(self):
-        self.samples, self.now = [], 0
+    def __init__(self, clock: work_clock.WorkClock):
+        self.samples, self.now, self.clock = [], 0, clock
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         def count(module, positional, named):
             if torch.is_grad_enabled() and module.training:
                 self.now += len(named["input_ids"])
+                self.clock.count(len(named["input_ids"]))
         model.register_forward_pre_hook(count, with_kwargs=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -53,8 +58,9 @@ class Computed(example.TrainerCallback):
 
 def both_trainers(rank, world, runs):
     found = {}
+    speed = float(SPEEDS.split(",")[rank])
     for name, args in runs.items():
-        computed = Computed()
+        computed = Computed(work_clock.install(0.001 / speed))
         summary, trainer = example.train(rank, world, CPU, args, callbacks=[computed])
         found[name] = {"summary": summary, "samples": computed.samples,
                        "weights": [p.detach().clone() for p in trainer.model.parameters()]}
@@ -84,8 +90,9 @@ def test_balanced_and_stock_trainer_on_a_simulated_cluster(tmp_path):
     # shares make up the global batch: an equal split first, then one by speed.
     splits = balanced["summary"]["splits"]
     assert [[rank["balanced"]["samples"][s] for rank in ranks] for s in range(STEPS)] == splits
-    assert all(sum(split) == GLOBAL_BATCH for split in splits) and splits[0] == [4, 4, 4, 4]
-    assert splits[-1][3] < splits[-1][0] and splits[-1][3] < 4, splits
+    # Timed on the second step: 16 by speeds 1, 1, 0.5, 0.25 is 5.8, 5.8, 2.9, 1.5, and
+    # [6, 6, 3, 1] has the shortest slowest rank (6 samples' time at speed 1).
+    assert splits == [[4, 4, 4, 4], [4, 4, 4, 4], [6, 6, 3, 1], [6, 6, 3, 1]], splits
     assert balanced["summary"]["split"] == splits[-1]
     # The stock Trainer: an equal share on every rank, every step.
     assert all(rank["stock"]["samples"] == [GLOBAL_BATCH // 4] * STEPS for rank in ranks)

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from itertools import accumulate
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -53,6 +53,11 @@ class BalancedBatches:
             (fewer than a global batch) are left out instead of forming a smaller step.
         rebalance_threshold: adopt a new split only for this much less predicted time.
     """
+
+    # What a step's compute is timed by. A test may put a clock of its own here (one that
+    # advances with the work a rank does) so that the split it checks does not depend on
+    # how busy a shared machine is.
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, dataset_size: int, global_batch: int, *, accumulation: int = 1, balance: str = "dynamic",
                  split: Sequence[int] | None = None, max_micro_batch: int | Sequence[int] | None = None,
@@ -129,14 +134,14 @@ class BalancedBatches:
         return self.shares.get(self.finished, self.sampler.sizes)
 
     def step_started(self) -> None:
-        self.started, self.computed = time.perf_counter(), None
+        self.started, self.computed = self.clock(), None
 
     def compute_done(self) -> None:
         """This rank's compute of the step is done (the integrations' DDP hook calls it at
         the last gradient bucket, or at the first when an agreement there waits for the
         other ranks); the first call counts."""
         if self.computed is None:
-            self.computed = time.perf_counter()
+            self.computed = self.clock()
 
     def step_finished(self) -> None:
         """Every rank's compute time of the step just done, gathered; the split of a later
@@ -145,7 +150,7 @@ class BalancedBatches:
         self.finished += 1
         if self.started is None:
             raise RuntimeError(f"{self.who}: step_finished without step_started")
-        seconds = (self.computed or time.perf_counter()) - self.started
+        seconds = (self.computed if self.computed is not None else self.clock()) - self.started
         self.started = None
         if self.rebalancer is None or step == 0 or (self.balance == "static" and step > TIMED_STEP):
             return   # the first step's times hold one-time costs (allocator, thread pools, autotuning)
