@@ -30,7 +30,8 @@ cd "$ROOT"
   "$PY" -m hetcomm info | head -30
   if want tests; then
     PYTHONPATH="$ROOT" "$PY" -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
-      tests/test_integration_accelerate.py tests/test_example_hf_trainer.py > "$OUT/integration_tests.log" 2>&1
+      tests/test_integration_accelerate.py tests/test_integration_timing.py tests/test_example_hf_trainer.py \
+      > "$OUT/integration_tests.log" 2>&1
     echo "integration tests: exit $?; $(tail -1 "$OUT/integration_tests.log")"
   fi
   status=0

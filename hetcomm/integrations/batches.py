@@ -10,6 +10,7 @@ import time
 from itertools import accumulate
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, solve_split
@@ -88,6 +89,7 @@ class BalancedBatches:
         self.finished = 0                # steps whose timing is in
         self.started: float | None = None
         self.computed: float | None = None
+        self.device: torch.device | None = None   # the gradients' device, as the hook reports it
 
     # --- what the data loader draws ---------------------------------------------------
 
@@ -134,14 +136,33 @@ class BalancedBatches:
         return self.shares.get(self.finished, self.sampler.sizes)
 
     def step_started(self) -> None:
+        self._device_done()   # the previous step's optimizer work is not this step's
         self.started, self.computed = self.clock(), None
 
-    def compute_done(self) -> None:
+    def compute_done(self, device: torch.device | None = None) -> None:
         """This rank's compute of the step is done (the integrations' DDP hook calls it at
         the last gradient bucket, or at the first when an agreement there waits for the
-        other ranks); the first call counts."""
+        other ranks, with the gradients' device); the first call counts."""
         if self.computed is None:
+            if device is not None:
+                self.device = device
+            self._device_done()
             self.computed = self.clock()
+
+    def _device_done(self) -> None:
+        """Waits for this rank's GPU. Kernels run behind the host: at the last bucket the
+        host has only queued the backward, and a slow card's queue is the longer one, so
+        the host's clock alone would split by how fast the hosts launch kernels. The wait
+        costs little there: the last bucket's reduction needs that backward anyway, and
+        none is paid in a step that is not timed. The first step is not, so the device the
+        hook reports then serves from the second step's start on."""
+        if self.device is not None and self.device.type == "cuda" and self._timed(self.finished):
+            torch.cuda.synchronize(self.device)
+
+    def _timed(self, step: int) -> bool:
+        """Whether a split is decided from `step`'s times: not from the first step's, which
+        hold one-time costs (allocator, thread pools, autotuning)."""
+        return self.rebalancer is not None and step > 0 and (self.balance != "static" or step <= TIMED_STEP)
 
     def step_finished(self) -> None:
         """Every rank's compute time of the step just done, gathered; the split of a later
@@ -150,10 +171,12 @@ class BalancedBatches:
         self.finished += 1
         if self.started is None:
             raise RuntimeError(f"{self.who}: step_finished without step_started")
-        seconds = (self.computed if self.computed is not None else self.clock()) - self.started
+        if self.computed is None:
+            self.compute_done()
+        seconds = self.computed - self.started
         self.started = None
-        if self.rebalancer is None or step == 0 or (self.balance == "static" and step > TIMED_STEP):
-            return   # the first step's times hold one-time costs (allocator, thread pools, autotuning)
+        if not self._timed(step):
+            return
         rows = gather_floats([seconds])
         times = [row[0] for row in rows]
         done = list(self.shares[step])

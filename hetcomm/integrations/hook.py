@@ -69,5 +69,5 @@ def balanced_hook(state: BalancedHookState, bucket: dist.GradBucket) -> torch.fu
     whole backward) where no bucket waits for the other ranks, else at the first, before
     its agreement waits."""
     if bucket.is_last() if state.agreed and not state.per_item else bucket.index() == 0:
-        state.batches.compute_done()
+        state.batches.compute_done(bucket.buffer().device)
     return weighted_hook(state, bucket)
