@@ -1,9 +1,11 @@
 """What BalancedBatches times on 2 Gloo ranks: a GPU's work, not the host's launches of it.
 At a timed step's start and at its compute's end (the hook's bucket, with the gradients'
-device) it waits for the CUDA device before it reads the clock; in steps that decide no
-split, and on a CPU, it never waits. The CPU twin records the order of the waits and the
-clock's reads; the GPU test queues 20 matmuls of 4096x4096 (tens of milliseconds on any
-card) that the host launches in microseconds, and finds them in the step's time."""
+device) it waits for the current CUDA stream before it reads the clock (not for the whole
+device, whose other streams hold all-reduces that wait for the other ranks); in steps
+that decide no split, and on a CPU, it never waits. The CPU twin records the order of
+the waits and the clock's reads; the GPU test queues 20 matmuls of 4096x4096 (tens of
+milliseconds on any card) that the host launches in microseconds, and finds them in the
+step's time."""
 
 import pytest
 import torch
@@ -20,7 +22,13 @@ CASES = {("cuda", "dynamic"): ["clock", "clock"] + ["wait", "clock", "wait", "cl
 def waits_and_reads(rank, world):
     """Three steps of each case, with the device's waits and the clock's reads recorded."""
     events = []
-    torch.cuda.synchronize = lambda device=None: events.append("wait")
+
+    class Stream:
+        def synchronize(self):
+            events.append("wait")
+
+    torch.cuda.current_stream = lambda device=None: Stream()
+    torch.cuda.synchronize = lambda device=None: events.append("the whole device")
 
     def clock():
         events.append("clock")

@@ -150,14 +150,17 @@ class BalancedBatches:
             self.computed = self.clock()
 
     def _device_done(self) -> None:
-        """Waits for this rank's GPU. Kernels run behind the host: at the last bucket the
-        host has only queued the backward, and a slow card's queue is the longer one, so
-        the host's clock alone would split by how fast the hosts launch kernels. The wait
-        costs little there: the last bucket's reduction needs that backward anyway, and
+        """Waits for this rank's GPU to finish the work queued on the current stream.
+        Kernels run behind the host: at the last bucket the host has only queued the
+        backward, and a slow card's queue is the longer one, so the host's clock alone
+        would split by how fast the hosts launch kernels. The stream, not the whole device:
+        the earlier buckets' all-reduces, on the process group's own stream, wait for the
+        other ranks, and a fast rank would count a slow one's backward as its own. The wait
+        costs little at the last bucket, whose reduction needs that backward anyway, and
         none is paid in a step that is not timed. The first step is not, so the device the
         hook reports then serves from the second step's start on."""
         if self.device is not None and self.device.type == "cuda" and self._timed(self.finished):
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _timed(self, step: int) -> bool:
         """Whether a split is decided from `step`'s times: not from the first step's, which
