@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hetcomm.balance import (MemoryProbe, StepTimeProfile, fit_step_time, measure_step_times, probe_memory,
-                             probe_memory_with)
+                             probe_memory_with, wait_for_compute)
 
 
 def test_fit_recovers_an_exact_line():
@@ -75,6 +75,28 @@ def test_measure_times_after_warm_up_round_robin():
     assert [b for b, _ in samples] == [2, 4, 8] * 3
     assert [t for _, t in samples] == pytest.approx([0.01 + 0.002 * b for b, _ in samples], rel=1e-9)
     assert fit_step_time(samples) == pytest.approx((0.01, 0.002), rel=1e-6)
+
+
+def test_a_timed_cuda_step_waits_for_its_stream_not_the_whole_device(monkeypatch):
+    """A rank's collectives run on streams of their own and wait for the other ranks: a
+    wait for the whole device would count their time as this rank's compute."""
+    waits = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            waits.append(("stream", self.device))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(("device", device)))
+    cuda = torch.device("cuda", 1)
+    for device in (cuda, torch.device("cpu"), None):
+        wait_for_compute(device)
+    clock, calls = FakeClock(), []
+    measure_step_times(lambda b: calls.append(b), [1, 2], warmup=0, repeats=1, clock=clock, device=cuda)
+    assert waits == [("stream", cuda)] * 5 and calls == [1, 2]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -79,6 +79,16 @@ def fit_step_time(samples: Iterable[tuple[int, float]]) -> StepTimeProfile:
     return StepTimeProfile(fixed, per_sample)
 
 
+def wait_for_compute(device: torch.device | None) -> None:
+    """Waits until `device` has run the work queued so far on its current stream, so
+    that the host's clock read next holds the compute (kernels run behind the host);
+    nothing on a CPU. The current stream, not the whole device: a process group's
+    collectives run on streams of their own and wait for the other ranks, whose time is
+    not this rank's compute."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def measure_step_times(step: Callable[[int], object], sizes: Sequence[int], *, warmup: int = 2, repeats: int = 5,
                        device: torch.device | str | None = None,
                        clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, float]]:
@@ -99,20 +109,16 @@ def measure_step_times(step: Callable[[int], object], sizes: Sequence[int], *, w
         raise ValueError(f"repeats = {repeats!r}: expected a positive integer")
     device = torch.device(device) if device is not None else None
 
-    def synchronize() -> None:
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for size in distinct:
         for _ in range(warmup):
             step(size)
     samples = []
     for _ in range(repeats):
         for size in distinct:
-            synchronize()
+            wait_for_compute(device)
             start = clock()
             step(size)
-            synchronize()
+            wait_for_compute(device)
             samples.append((size, clock() - start))
     return samples
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hetcomm.balance import DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, solve_split
+from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, solve_split,
+                             wait_for_compute)
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm.collectives import gather_floats
 
@@ -150,17 +151,16 @@ class BalancedBatches:
             self.computed = self.clock()
 
     def _device_done(self) -> None:
-        """Waits for this rank's GPU to finish the work queued on the current stream.
-        Kernels run behind the host: at the last bucket the host has only queued the
-        backward, and a slow card's queue is the longer one, so the host's clock alone
-        would split by how fast the hosts launch kernels. The stream, not the whole device:
-        the earlier buckets' all-reduces, on the process group's own stream, wait for the
-        other ranks, and a fast rank would count a slow one's backward as its own. The wait
+        """Waits for this rank's GPU (its compute stream). Kernels run behind the host: at
+        the last bucket the host has only queued the backward, and a slow card's queue is
+        the longer one, so the host's clock alone would split by how fast the hosts launch
+        kernels. Not the whole device: the earlier buckets' all-reduces wait for the other
+        ranks, and a fast rank would count a slow one's backward as its own. The wait
         costs little at the last bucket, whose reduction needs that backward anyway, and
         none is paid in a step that is not timed. The first step is not, so the device the
         hook reports then serves from the second step's start on."""
-        if self.device is not None and self.device.type == "cuda" and self._timed(self.finished):
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._timed(self.finished):
+            wait_for_compute(self.device)
 
     def _timed(self, step: int) -> bool:
         """Whether a split is decided from `step`'s times: not from the first step's, which

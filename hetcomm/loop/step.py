@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hetcomm.balance import handoff, predict_rank_times, solve_split
+from hetcomm.balance import handoff, predict_rank_times, solve_split, wait_for_compute
 from hetcomm.comm.collectives import gather_floats, launch_gather_floats, wait
 from hetcomm.loop.batches import micro_batches
 
@@ -184,8 +184,9 @@ class LoopStep:
         return seconds
 
     def _device_done(self) -> None:
-        if self.loop.device.type == "cuda":
-            torch.cuda.synchronize(self.loop.device)
+        # The compute stream only: with overlap the last micro-batch's buckets are already
+        # on the wire, and their all-reduces wait for the other ranks.
+        wait_for_compute(self.loop.device)
 
     def _retarget(self, now: int) -> None:
         """Gradients normalised by self.normaliser samples made those normalised by
