@@ -73,7 +73,7 @@ MUTANTS = {
         "nobody and one past the giver's share is asked for",
         ["test_balance_handoff.py"]),
     "digest_mismatch_ignored": (
-        "loop/checkpoint.py", "if written.get(name) != found.get(name):",
+        "files/verified.py", "if written.get(name) != found.get(name):",
         "if (name in written) != (name in found):",
         "checkpoint.load refuses a tensor missing on one side only: a tensor whose bytes no longer match its "
         "digest (damaged or edited) loads",
@@ -84,7 +84,7 @@ MUTANTS = {
         "the sampler's cursor not restored on load: a resumed run starts its epoch over, repeating samples",
         ["test_balance_sampler.py"]),
     "non_tensors_undigested": (
-        "loop/checkpoint.py", "found[NON_TENSORS] = hashlib.sha256(repr(_skeleton(state)).encode()).hexdigest()",
+        "files/verified.py", "found[NON_TENSORS] = values_digest(state)",
         'found[NON_TENSORS] = ""',
         "the checkpoint's digest of what is not a tensor (step, sampler position, split, loss scale) left empty: an "
         "edited step or sampler position loads",

@@ -1,6 +1,6 @@
 """Sharded training state: each rank owns one contiguous range of the flat parameter
 space, sized by its memory, and keeps the fp32 masters and AdamW moments of that range
-only (between hetcomm.comm, which it uses, and hetcomm.loop, which uses it)."""
+only (between hetcomm.comm, which it uses, and the training loop, which uses it)."""
 
 from hetcomm.shard.flat import FlatParameters
 from hetcomm.shard.layout import ShardLayout, layout_by_memory, layout_from_sizes

@@ -2,7 +2,7 @@
 checkpoint, and any rank reads back any range, however many ranks wrote it and however
 their ranges were sized (a card removed: 4 ranks' ranges read by 3).
 
-checkpoint-<step>.pt (hetcomm.loop.checkpoint) is written by rank 0 once every rank has
+checkpoint-<step>.pt (the run's own checkpoint) is written by rank 0 once every rank has
 written checkpoint-<step>.range-<rank>-of-<world>.pt: its range [start, stop) of the flat
 parameter space and that range of each state tensor (the fp32 masters and AdamW's
 moments), written atomically with the digests of every tensor and value, as the run's
@@ -12,7 +12,7 @@ model's parameter layout, then copies out the requested range.
 
 A resume passes over a step whose ranges are incomplete (a rank stopped while saving):
 complete() checks every file's values without reading the tensors. A kill during a
-write leaves a temporary file that hetcomm.loop.checkpoint.remove_temporaries removes;
+write leaves a temporary file that hetcomm.files.verified.remove_temporaries removes;
 remove_unkept removes the ranges of steps whose checkpoint `keep` rotated out.
 
 torch.distributed.checkpoint (DCP) is the general engine for resharding, and it is not
@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hetcomm.loop.checkpoint import NAME, CheckpointError, read, verify_digests, write_verified
+from hetcomm.files.run_directory import NAME
+from hetcomm.files.verified import CheckpointError, read, verify_digests, write_verified
 
 FORMAT = 1
 RANGE_NAME = re.compile(r"checkpoint-(\d+)\.range-(\d+)-of-(\d+)\.pt")
