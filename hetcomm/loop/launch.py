@@ -7,6 +7,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +27,10 @@ PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 # stalled (or that the trainer's SIGTERM handler keeps until its step ends, which a
 # stalled step never does) delayed the report of the failure by that long.
 STOP_GRACE_S = 3.0
+# Once the launcher is gone, how long a rank it started gets to end on the SIGTERM it
+# sends itself (the trainer finishes its step and checkpoints it) before SIGKILL: a rank
+# that ignores SIGTERM, or whose main thread is stuck, must not train on as an orphan.
+ORPHAN_GRACE_S = 30.0
 
 
 class RankFailed(RuntimeError):
@@ -64,13 +70,16 @@ def local_world(use_cuda: bool, nproc: int | None = None) -> int:
 
 
 def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
-               timeout: timedelta, debug: bool, failures=None) -> None:
+               timeout: timedelta, debug: bool, failures=None, lifeline=None) -> None:
     """Runs one rank. A failure becomes a RankFailed (under torchrun), or, in a worker
     this process spawned, a one-line cause put on `failures` for the parent and exit
     code 1: torch's own spawn would hand the parent the whole traceback instead.
     With `debug`, the traceback goes with it, for the parent to print: this process's
-    stderr is the fork server's, which need not be the parent's now."""
+    stderr is the fork server's, which need not be the parent's now. `lifeline`: the
+    read end of the launcher's pipe (see _end_with_launcher), in a worker it spawned."""
     try:
+        if lifeline is not None:
+            _end_with_launcher(lifeline)
         _run_rank(rank, world, main, args, use_cuda, init_method, timeout)
     except Exception as error:
         if failures is None:
@@ -101,10 +110,10 @@ def _join_torchrun_job(backend: str, timeout: timedelta) -> None:
 
 def _end_with_parent() -> None:
     """Linux: has this rank sent SIGTERM when the process that started it dies (torchrun's
-    agent, or the launcher's fork server, which ends with the launcher). Without it, a
-    killed agent left its workers training as orphans, writing into --out beside the
-    workers of a relaunch. SIGTERM, not SIGKILL: the trainer's handler then stops every
-    rank after the same step, with a checkpoint; a plain program just ends."""
+    agent, or the launcher's fork server). Without it, a killed agent left its workers
+    training as orphans, writing into --out beside the workers of a relaunch. SIGTERM,
+    not SIGKILL: the trainer's handler then stops every rank after the same step, with a
+    checkpoint; a plain program just ends."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -113,6 +122,30 @@ def _end_with_parent() -> None:
         return   # not allowed here (a sandbox): the rank lives as before
     if os.getppid() != parent:   # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _end_with_launcher(lifeline) -> None:
+    """Has this rank, started by launch() in this machine's launcher, stop when that
+    launcher dies, however it dies (SIGKILL included): SIGTERM, as under torchrun (see
+    _end_with_parent), then SIGKILL after ORPHAN_GRACE_S if the rank is still there.
+
+    Why a pipe, and not the parent-death signal alone: a rank's parent is the fork
+    server, not the launcher, and the fork server lives while any of its children does
+    (every child holds the write end of the server's "alive" pipe), so a SIGKILLed
+    launcher left the server and its ranks training on as orphans. Only the launcher
+    holds the write end of `lifeline` (the fork server was exec'd without it, a rank gets
+    the read end only), so the kernel ends the pipe (EOF) exactly when the launcher is
+    gone: no polling, no pid that may be reused, no race with a launcher that died
+    before this rank looked (the EOF stays), on any POSIX system, not Linux only. The
+    launcher never writes into it. The fork server then ends by itself once its last
+    rank has, and the resource tracker once the ranks, which hold its pipe, have."""
+    def watch() -> None:
+        lifeline.poll(None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="hetcomm-launcher-lifeline", daemon=True).start()
 
 
 def _run_rank(rank: int, world: int, main: Callable, args: tuple, use_cuda: bool, init_method: str | None,
@@ -169,10 +202,12 @@ def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | Non
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "hetcomm.loop"])
     failures = context.SimpleQueue()
+    lifeline, held = context.Pipe(duplex=False)   # see _end_with_launcher
     try:
         with _quiet_spawn_log():
             ranks = mp.start_processes(_rank_main, args=(world, main, args, use_cuda,
-                                                         f"tcp://127.0.0.1:{free_port()}", timeout, debug, failures),
+                                                         f"tcp://127.0.0.1:{free_port()}", timeout, debug, failures,
+                                                         lifeline),
                                        nprocs=world, join=False, start_method="forkserver")
             while not ranks.join(grace_period=STOP_GRACE_S):
                 pass
@@ -182,6 +217,9 @@ def launch(main: Callable, *args, nproc: int | None = None, use_cuda: bool | Non
         raise failure from None
     finally:
         failures.close()
+        # Ranks still there (the launcher's wait interrupted: Ctrl-C) stop as if it died.
+        held.close()
+        lifeline.close()
 
 
 @contextmanager
