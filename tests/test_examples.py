@@ -14,7 +14,7 @@ import pytest
 import torch
 from distributed import run_ranks, values
 from test_docs_commands import ROOT, blocks_of
-from tolerances import farthest, order_bound
+from tolerances import REORDERINGS, farthest, order_bound
 
 from hetcomm.balance import WeightedDistributedSampler
 
@@ -29,9 +29,6 @@ import hf_gpt2  # noqa: E402
 EXAMPLES_BY_NAME = {"bert": hf_bert_mlm, "gpt2": hf_gpt2}   # modules do not pickle to the ranks: their names do
 SPLIT = [1, 3, 5, 7]
 CPU = torch.device("cpu")
-# The one-process reference's global batch in other orders: the same sums in other orders,
-# which is what sets how far an exact run may land from it (tests/tolerances.py).
-REORDERINGS = (lambda indices: indices[::-1], lambda indices: indices[len(indices) // 2:] + indices[:len(indices) // 2])
 
 
 def arguments(example, *extra):

@@ -26,6 +26,9 @@ import torch
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}
 SPREAD_FACTOR = 4
+# A global batch's samples in other orders, for a reference run's reordered twins: the same
+# sums in other orders.
+REORDERINGS = (lambda indices: indices[::-1], lambda indices: indices[len(indices) // 2:] + indices[:len(indices) // 2])
 # Where the reordered references happen to agree bit for bit, a few units in the last place
 # of the largest value still separate two honest runs.
 ULPS_FLOOR = 4
