@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hetcomm.comm import CollectiveTimeout
+from hetcomm.loop import census
 from hetcomm.loop.host_memory import keep_freed_memory
 
 DEFAULT_CPU_RANKS = 4
@@ -85,7 +87,7 @@ def _rank_main(rank: int, world: int, main: Callable, args: tuple, use_cuda: boo
         if failures is None:
             if debug:
                 traceback.print_exc()
-            raise RankFailed(rank, _one_line(error)) from error
+            raise RankFailed(rank, _one_line(error) + _not_answering(error)) from error
         failures.put((rank, _one_line(error), traceback.format_exc() if debug else ""))
         sys.stderr.flush()
         # As after a success: leave without the process-group destructors (see _run_rank).
@@ -104,8 +106,18 @@ def _join_torchrun_job(backend: str, timeout: timedelta) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=serves,
                           timeout=timeout)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hetcomm/restart-{restart}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    store = dist.PrefixStore(f"hetcomm/restart-{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    census.enrol(store, rank, world, os.environ.get("GROUP_RANK"))
+
+
+def _not_answering(error: Exception) -> str:
+    """Under torchrun, after a collective failed: the ranks that no longer answer (a
+    node lost), which the failure itself does not name."""
+    if not isinstance(error, (CollectiveTimeout, dist.DistError)):
+        return ""
+    silent = census.unanswered()
+    return f" Not answering after it: {silent}." if silent else ""
 
 
 def _end_with_parent() -> None:
