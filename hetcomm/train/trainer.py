@@ -35,6 +35,7 @@ import torch.distributed as dist
 from hetcomm.balance import equal_split
 from hetcomm.loop import BalancedLoop, StepResult, agree_precision
 from hetcomm.loop import checkpoint
+from hetcomm.loop.census import describe_by_node
 from hetcomm.optim import AdamW
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard import checkpoint as shard_checkpoint
@@ -139,9 +140,18 @@ class Phase:
         return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
+class LauncherLost(RuntimeError):
+    """Ranks whose launcher died (a torchrun agent killed, its node's other processes
+    left) stopped the job: their SIGTERM (launch's parent-death signal) stopped every
+    rank after one step, with a checkpoint; the job must be started again."""
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, rank: int, world: int, device: torch.device):
         self.config, self.rank, self.world, self.device = config, rank, world, device
+        # Who started this rank (torchrun's agent, the launcher's fork server): once it has
+        # died, this rank's stop is the loss of its node, not a preemption (see LauncherLost).
+        self.launcher = os.getppid()
         torch.manual_seed(config.seed)
         self.data, data_description = load_data(config)
         self.model = GPT(model_config(config, self.data.vocab_size)).to(device)
@@ -339,6 +349,7 @@ class Trainer:
             progress.close()
         if self.loop.stop_agreed and self.step < config.steps:
             self.save_checkpoint()
+            self._check_launchers_live()
             return None
         if self.step < config.steps:
             self._complete_log()   # save_checkpoint does it otherwise
@@ -402,6 +413,21 @@ class Trainer:
                 "final_split": list(self.loop.split),
                 "estimated_samples_per_second": throughputs,
                 "ideal_step_s": ideal, "equal_split_step_s_predicted": equal}
+
+    def _check_launchers_live(self) -> None:
+        """After a stop every rank agreed to: raises LauncherLost on every rank if some
+        rank's launcher has died. Its agent gone, a torchrun node cannot go on (nor restart
+        its workers), and a job whose ranks all returned would keep the other nodes' agents
+        waiting for it at their exit barrier (300 s) and then report success."""
+        mine = (os.getppid() != self.launcher, os.environ.get("GROUP_RANK"))   # torchrun's node rank
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        lost = [rank for rank, (orphaned, _) in enumerate(everyone) if orphaned]
+        if lost:
+            raise LauncherLost(f"{describe_by_node(lost, [node for _, node in everyone])} lost the launcher "
+                               f"that started them (a torchrun agent killed?); every rank stopped after step "
+                               f"{self.step} with a checkpoint in {self.config.out}; start the job again (the same "
+                               f"command on every node resumes from it)")
 
     # --- checkpoints ----------------------------------------------------------------
 
