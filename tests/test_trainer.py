@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks, values
+from tolerances import farthest, order_bound
 
 from hetcomm.plan.cost import STATE_BYTES_PER_PARAMETER
 from hetcomm.train import launch
@@ -39,6 +40,17 @@ def train(rank, world, config):
     return losses(config.out) if rank == 0 else None
 
 
+def assert_trains_like(found, equal, tmp_path, config, caps):
+    """`found` (a run's losses) within order_bound of `equal` (the equal split's): how far
+    the equal split itself lands when its sums are reordered by accumulating each rank's
+    share in micro-batches of at most `caps` (whose own exactness tests/test_loop.py
+    checks against one process)."""
+    twin = values(run_ranks(2, train, replace(config, memory_caps=caps, out=str(tmp_path / "twin")),
+                            tmp_path=tmp_path / "twin-ranks"))[0]
+    bound = order_bound([equal], [[twin]])
+    assert len(found) == len(equal) and farthest([found], [equal]) <= bound, (found, equal, bound)
+
+
 def test_unequal_split_trains_like_the_equal_split(tmp_path):
     equal = values(run_ranks(2, train, tiny_config(tmp_path, split="4,4", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path))[0]
@@ -47,7 +59,7 @@ def test_unequal_split_trains_like_the_equal_split(tmp_path):
     assert len(equal) == len(unequal) == 6
     assert equal[-1] < equal[0]  # it learns
     # The same gradient (the mean over the same 8 windows), summed in another order.
-    torch.testing.assert_close(torch.tensor(unequal), torch.tensor(equal), rtol=1e-5, atol=0)
+    assert_trains_like(unequal, equal, tmp_path, tiny_config(tmp_path, split="4,4"), "2,3")
 
 
 def train_with_probed_caps(rank, world, config, probed):
@@ -70,7 +82,7 @@ def test_probed_memory_caps_become_accumulation_on_every_rank(tmp_path):
                                [3, None], tmp_path=tmp_path / "c"))
     assert [caps for caps, _ in results] == [[3, None], [3, None]]   # every rank knows every cap
     # Rank 0 runs its 4 windows as 3 + 1: the same gradient, so the same losses.
-    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(plain), rtol=1e-5, atol=0)
+    assert_trains_like(results[0][1], plain, tmp_path, tiny_config(tmp_path, split="4,4"), "2,2")
     assert json.loads((tmp_path / "c" / "run.json").read_text())["memory_caps"] == [3, None]
     refused = run_ranks(2, train_with_probed_caps, tiny_config(tmp_path, out=str(tmp_path / "z")), [None, 0],
                         tmp_path=tmp_path / "z")
@@ -93,7 +105,7 @@ def test_without_an_equal_phase_the_first_step_is_already_balanced(tmp_path):
     # windows and the same mean gradient as the equal split dealt whole.
     equal = values(run_ranks(2, train, replace(config, split="8,8", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path / "e"))[0]
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+    assert_trains_like([s["loss"] for s in steps], equal, tmp_path, replace(config, split="8,8"), "3,5")
 
 
 def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path):
@@ -101,9 +113,10 @@ def test_a_first_step_of_one_window_per_rank_is_timed_on_those_windows(tmp_path)
     values(run_ranks(2, train, config, tmp_path=tmp_path))
     steps = [json.loads(line) for line in (Path(config.out) / "steps.jsonl").read_text().splitlines()]
     assert [s["micro_batch"] for s in steps] == [[1, 1], [1, 1]]
+    # The same split as the fixed one: the same sums in the same order, bit for bit.
     equal = values(run_ranks(2, train, replace(config, split="1,1", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path / "e"))[0]
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+    assert [s["loss"] for s in steps] == equal
 
 
 def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(tmp_path):
@@ -124,7 +137,7 @@ def test_a_card_that_throttles_hands_its_windows_to_the_others_within_the_step(t
     # Every window of every step once, weighted by who did it: the equal split's losses.
     equal = values(run_ranks(2, train, replace(config, split="8,8", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path / "e"))[0]
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+    assert_trains_like([s["loss"] for s in steps], equal, tmp_path, replace(config, split="8,8"), "5,3")
     # Without the handoff the throttled step waits for rank 1's whole share.
     plain = replace(config, handoff=False, out=str(tmp_path / "plain"))
     values(run_ranks(2, train, plain, tmp_path=tmp_path / "p"))
@@ -142,7 +155,7 @@ def test_an_epoch_s_smaller_last_step_is_the_mean_over_its_windows(tmp_path):
     assert [sum(s["samples"]) for s in steps] == [8, 8, 4, 8]
     equal = values(run_ranks(2, train, replace(config, split="4,4", out=str(tmp_path / "equal")),
                              tmp_path=tmp_path / "e"))[0]
-    torch.testing.assert_close(torch.tensor([s["loss"] for s in steps]), torch.tensor(equal), rtol=1e-5, atol=0)
+    assert_trains_like([s["loss"] for s in steps], equal, tmp_path, replace(config, split="4,4"), "3,1")
 
 
 def train_and_keep_weights(rank, world, config):
