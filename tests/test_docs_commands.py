@@ -219,9 +219,17 @@ LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 PENDING_PAGES = {"docs/planner.md", "docs/contributing.md"}
 
 
+def anchors(page: Path) -> set[str]:
+    """The #anchors of a Markdown page's headings, as GitHub makes them: lower case, spaces
+    to hyphens, punctuation other than hyphens and underscores dropped."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_relative_links_point_at_files(path):
-    """A link to a file of the repository (results, sources, other pages) that exists."""
+    """A link to a file of the repository (results, sources, other pages) that exists, and
+    to a heading of a page that it has."""
     missing = []
     for target in LINK.findall(path.read_text()):
         if re.match(r"^[a-z]+:", target) or target.startswith("#"):
@@ -229,7 +237,16 @@ def test_relative_links_point_at_files(path):
         file = (path.parent / target.split("#")[0]).resolve()
         if not file.exists():
             missing.append(file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else target)
+        elif "#" in target and file.suffix == ".md" and target.split("#", 1)[1] not in anchors(file):
+            missing.append(target)
     broken = [target for target in missing if target not in PENDING_PAGES]
-    assert not broken, f"{path.name} links to files that do not exist: {broken}"
+    assert not broken, f"{path.name} links to files or headings that do not exist: {broken}"
     if missing:
         pytest.skip(f"links to pages not written yet: {', '.join(sorted(set(missing)))}")
+
+
+def test_the_front_page_stays_short():
+    """README.md is the front page: what hetcomm is, the quick start, one example of each
+    way in, the key figures; the rest belongs in docs/."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines < 200, f"README.md has {lines} lines; move detail to docs/ (the front page stays under 200)"
