@@ -1,5 +1,5 @@
 """Small JSON state that proves its own content: the document carries its format and the
-SHA-256 of everything else (values_digest, as the .pt checkpoints' NON_TENSORS digest),
+SHA-256 of everything else (values_digest, under the key the .pt checkpoints use for it),
 is written atomically, and is given back only when the digest matches. For state kept
 beside a framework's own checkpoint files, or inside one that the framework writes.
 
@@ -9,7 +9,7 @@ strings), so that its digest is the one a read computes."""
 import json
 from pathlib import Path
 
-from hetcomm.files.verified import NON_TENSORS, CheckpointError, values_digest, verify_digests, write_atomically
+from hetcomm.files.verified import NON_TENSORS, CheckpointError, values_digest, write_atomically
 
 
 def sealed(content: dict, format: int) -> dict:
@@ -25,9 +25,9 @@ def unsealed(where, document, format: int) -> dict:
         raise CheckpointError(f"{where}: not a hetcomm state file (no digest)")
     if document.get("format") != format:
         raise CheckpointError(f"{where}: format {document.get('format')!r}, expected {format}")
-    content = dict(document)
-    verify_digests(where, content, values_only=True)
-    del content["format"]
+    content = {key: value for key, value in document.items() if key not in ("format", "digests")}
+    if values_digest(content) != document["digests"].get(NON_TENSORS):
+        raise CheckpointError(f"{where}: does not hold what was written (damaged or edited)")
     return content
 
 
