@@ -1,15 +1,19 @@
 """BalancedBatches on its own (one process): micro-batches of a share, the epoch's last
 smaller step, the state after the steps finished however far a loader drew ahead,
 placeholders for a framework that skips what an epoch has run, the steps a loader with
-workers draws ahead, and the settings it refuses (the split on several ranks is tested
-through the Trainer and Lightning integrations)."""
+workers draws ahead, a state refused by batches of other settings, and the arguments it
+and the hook's state refuse (the split on several ranks is tested through the Trainer and
+Lightning integrations; the first shares within the caps on two ranks here)."""
 
 import subprocess
 import sys
 
 import pytest
+import torch
+from distributed import run_ranks, values
 
-from hetcomm.integrations import BalancedBatches, loader_steps_ahead
+from hetcomm.integrations import BalancedBatches, BalancedHookState, loader_steps_ahead
+from hetcomm.integrations.settings import check_settings
 
 
 def steps_of(batches, count):
@@ -68,16 +72,77 @@ def test_steps_ahead_of_a_loader_with_workers():
     assert loader_steps_ahead(1, 5, 4) == 2
 
 
-@pytest.mark.parametrize("arguments, named", [
-    (dict(dataset_size=64, global_batch=8, balance="fast"), "balance = 'fast'"),
-    (dict(dataset_size=64, global_batch=100), "larger than the dataset"),
-    (dict(dataset_size=64, global_batch=8, accumulation=0), "accumulation = 0"),
-    (dict(dataset_size=64, global_batch=8, split=[4, 4]), "split = \\[4, 4\\]"),
-    (dict(dataset_size=64, global_batch=8, max_micro_batch=0), "max_micro_batch = 0"),
+def test_a_state_goes_on_only_in_batches_of_the_same_settings():
+    batches = BalancedBatches(64, 8, seed=1)
+    steps_of(batches, 2)
+    batches.finished = 2
+    state = batches.state_dict()
+    BalancedBatches(64, 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="other settings: dataset_size 64 there, 72 here, seed 1 there, 0 here, "
+                                         "max_micro_batch None there, \\[8\\] here$"):
+        BalancedBatches(72, 8, max_micro_batch=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="holds no run settings"):
+        BalancedBatches(64, 8, seed=1).load_state_dict({k: v for k, v in state.items() if k != "run"})
+
+
+@pytest.mark.parametrize("arguments, error, named", [
+    (dict(dataset_size=64, global_batch=8, balance="fast"), ValueError, "balance = 'fast'"),
+    (dict(dataset_size=64, global_batch=8, balance=["dynamic"]), TypeError, "balance = \\['dynamic'\\]"),
+    (dict(dataset_size=64, global_batch=100), ValueError, "larger than the dataset"),
+    (dict(dataset_size="64", global_batch=8), TypeError, "dataset_size = '64'"),
+    (dict(dataset_size=64, global_batch=8.0), TypeError, "global_batch = 8.0"),
+    (dict(dataset_size=64, global_batch=8, accumulation=0), ValueError, "accumulation = 0"),
+    (dict(dataset_size=64, global_batch=8, accumulation=True), TypeError, "accumulation = True"),
+    (dict(dataset_size=64, global_batch=8, split=[4, 4]), ValueError, "split = \\[4, 4\\]"),
+    (dict(dataset_size=64, global_batch=8, split=[8.0]), TypeError, "split = \\[8.0\\]"),
+    (dict(dataset_size=64, global_batch=8, split="8"), TypeError, "split = '8'"),
+    (dict(dataset_size=64, global_batch=8, max_micro_batch=0), ValueError, "max_micro_batch = 0"),
+    (dict(dataset_size=64, global_batch=8, max_micro_batch=[1.5]), TypeError, "max_micro_batch = \\[1.5\\]"),
+    (dict(dataset_size=64, global_batch=8, max_micro_batch=4), ValueError, "holds at most 4 samples"),
+    (dict(dataset_size=64, global_batch=8, seed=0.5), TypeError, "seed = 0.5"),
+    (dict(dataset_size=64, global_batch=8, drop_last="yes"), TypeError, "drop_last = 'yes'"),
+    (dict(dataset_size=64, global_batch=8, steps_ahead=-1), ValueError, "steps_ahead = -1"),
+    (dict(dataset_size=64, global_batch=8, rebalance_threshold=-0.1), ValueError, "rebalance_threshold = -0.1"),
+    (dict(dataset_size=64, global_batch=8, rebalance_threshold=float("nan")), ValueError,
+     "rebalance_threshold = nan"),
+    (dict(dataset_size=64, global_batch=8, rebalance_threshold="2%"), TypeError, "rebalance_threshold = '2%'"),
+    (dict(dataset_size=64, global_batch=8, who=None), TypeError, "who = None"),
 ])
-def test_bad_settings_are_refused_by_name(arguments, named):
-    with pytest.raises(ValueError, match=named):
+def test_bad_settings_are_refused_by_name(arguments, error, named):
+    with pytest.raises(error, match=named):
         BalancedBatches(**arguments)
+
+
+@pytest.mark.parametrize("arguments, named", [
+    (dict(split=[6, 2], max_micro_batch=[4, 4]), "split \\[6, 2\\] of 8 exceed max_micro_batch = \\[4, 4\\]"),
+    (dict(balance="equal", max_micro_batch=[2, 6]), "equal shares \\[4, 4\\] of 8 exceed max_micro_batch"),
+    (dict(accumulation=2, max_micro_batch=[1, 2]), "max_micro_batch = \\[1, 2\\] x 2 micro-batches holds at most 6"),
+])
+def test_shares_that_cannot_fit_the_caps_are_refused_on_two_ranks(arguments, named):
+    with pytest.raises(ValueError, match=named):
+        check_settings(64, 8, 2, **arguments)
+
+
+def first_split(rank, world):
+    return BalancedBatches(64, 8, max_micro_batch=[2, 6]).sampler.sizes
+
+
+def test_the_first_shares_keep_within_the_caps(tmp_path):
+    """Equal shares of 8 would give the card that holds 2 samples 4 before any timing."""
+    assert values(run_ranks(2, first_split, tmp_path=tmp_path)) == [(2, 6), (2, 6)]
+
+
+@pytest.mark.parametrize("arguments, error, named", [
+    (dict(batches=[1, 2]), TypeError, "batches = list: expected the BalancedBatches"),
+    (dict(per_item="yes"), TypeError, "per_item = 'yes'"),
+    (dict(wire_dtype=torch.int8), ValueError, "wire_dtype = torch.int8"),
+    (dict(wire_dtype=torch.float64), ValueError, "wire_dtype = torch.float64"),
+    (dict(wire_dtype="float16"), TypeError, "wire_dtype = 'float16'"),
+    ({}, RuntimeError, "torch.distributed is not initialised"),
+])
+def test_the_hooks_state_refuses_bad_arguments_by_name(arguments, error, named):
+    with pytest.raises(error, match=named):
+        BalancedHookState(**{"batches": None, **arguments})
 
 
 @pytest.mark.parametrize("module, framework, extra", [("transformers", "transformers", "hf"),

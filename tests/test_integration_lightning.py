@@ -2,10 +2,13 @@
 itself would skip a comm hook: a split of 1/3/5/7 of 16 with each rank's mean loss over
 its own tokens trains the weights plain PyTorch trains on the union batches' mean over
 all their tokens, with gradient accumulation too; every sample is drawn once an epoch;
-a checkpoint resumes bit for bit; a throttled rank gets fewer samples; loaders and
-settings it cannot honour are refused by name."""
+a checkpoint resumes bit for bit, and its checkpoint["hetcomm"] changed, of the old
+format, of another step or of another run is refused naming the file; a throttled rank
+gets fewer samples; loaders and settings it cannot honour, and arguments of a wrong type
+or value, are refused by name."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,19 +172,117 @@ def resume_and_throttle(rank, world, out):
             data.served[len(data.served) - len(resumed_data.served):], resumed_data.served)
 
 
-def test_resume_goes_on_with_the_same_samples_and_split(tmp_path):
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """resume_and_throttle's results on 4 ranks, and the folder of its checkpoints."""
+    out = tmp_path_factory.mktemp("resume")
+    return values(run_ranks(4, resume_and_throttle, str(out), tmp_path=out)), out
+
+
+def test_resume_goes_on_with_the_same_samples_and_split(resumed):
     """The resumed steps draw exactly the samples the straight run drew, on the split
     timed before the checkpoint. The weights agree to a few ulps, not bit for bit: DDP
     lays its buckets out anew after a restart's first step, and Gloo's ring then sums
     some elements over the ranks in another order (the Trainer's DDP, which looks for
     unused parameters, keeps its layout and resumes bit for bit)."""
-    ranks = values(run_ranks(4, resume_and_throttle, str(tmp_path), tmp_path=tmp_path))
+    ranks, _ = resumed
     for rank, (_, _, split, _, served, served_after) in enumerate(ranks):
         assert served == served_after and len(served) == 3 * split[rank]
     straight, resumed, split, split_after, _, _ = ranks[0]
     assert farthest(straight, resumed) < 1e-6
     # 16 by throughputs 4:4:4:1 (rank 3 at 4 ms a sample, the others at 1 ms)
     assert split == split_after == (5, 5, 5, 1), split
+
+
+def spoilt_checkpoints(saved, foreign, into) -> dict:
+    """Copies of a one-process run's step-3 checkpoint, each with its checkpoint["hetcomm"]
+    spoilt one way, and the 4-rank run's as it is (for one process, another run's)."""
+    from hetcomm.integrations.lightning import CHECKPOINT_KEY
+    step3 = torch.load(saved / "epoch=0-step=3.ckpt", weights_only=False)
+    step6 = torch.load(next(saved.glob("*step=6.ckpt")), weights_only=False)
+    edited = {**step3[CHECKPOINT_KEY], "batches": {**step3[CHECKPOINT_KEY]["batches"]}}
+    edited["batches"]["sampler"] = {**edited["batches"]["sampler"], "epoch": 1}   # another epoch's permutation
+    variants = {"edited": {**step3, CHECKPOINT_KEY: edited},
+                "format 1": {**step3, CHECKPOINT_KEY: as_format_1(step3[CHECKPOINT_KEY]["batches"])},
+                "of another step": {**step3, CHECKPOINT_KEY: step6[CHECKPOINT_KEY]},
+                "foreign": torch.load(foreign / "epoch=0-step=3.ckpt", weights_only=False)}
+    paths = {}
+    for name, checkpoint in variants.items():
+        paths[name] = into / f"{name.replace(' ', '-')}.ckpt"
+        torch.save(checkpoint, paths[name])
+    return paths
+
+
+def as_format_1(state: dict) -> dict:
+    """A balancing state as hetcomm wrote it before format 2: no digest, no run settings
+    but these three."""
+    run = state["run"]
+    return {**{k: v for k, v in state.items() if k != "run"},
+            **{k: run[k] for k in ("global_batch", "accumulation", "world")}}
+
+
+def resumes_refused(rank, world, out, foreign):
+    """One process with the 4-rank run's global batch saves at steps 3 and 6; each spoilt
+    checkpoint resumed by the same: the paths, each one's error and the samples trained
+    on before it."""
+    import lightning as L
+    as_launched(rank, world)
+    saving = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{out}/saved", every_n_train_steps=3, save_top_k=-1)
+    straight = trainer(world, 6, balance="static")
+    straight.callbacks.append(saving)
+    straight.fit(module(), loader(Served(), 16))
+    paths = spoilt_checkpoints(Path(out) / "saved", Path(foreign), Path(out))
+    found = {}
+    for name, path in paths.items():
+        trained = Trained()
+        try:
+            trainer(world, 6, balance="static").fit(module(trained), loader(Served(), 16), ckpt_path=str(path))
+            found[name] = (None, "resumed", trained.samples)
+        except Exception as error:  # the test inspects which error, and its message
+            found[name] = (type(error), str(error), trained.samples)
+    return paths, found
+
+
+class Trained:
+    """Counts the samples of training steps (module's clock)."""
+    samples = 0
+
+    def count(self, samples):
+        self.samples += samples
+
+
+def test_a_spoilt_or_foreign_hetcomm_entry_is_refused_in_one_line_naming_the_file(resumed, tmp_path):
+    paths, found = values(run_ranks(1, resumes_refused, str(tmp_path), str(resumed[1]), tmp_path=tmp_path))[0]
+    why = {"edited": "does not hold what was written (damaged or edited)", "format 1": "format 1",
+           "of another step": "balancing state after step 6, the checkpoint's training state after step 3",
+           "foreign": "world 4 there, 1 here"}
+    assert set(found) == set(why)
+    for name, (kind, message, trained) in found.items():
+        assert kind is not None and issubclass(kind, ValueError), (name, kind, message)
+        assert f"{paths[name]} (its 'hetcomm' entry)" in message and why[name] in message, (name, message)
+        assert "resume from another checkpoint, or start fresh" in message and "\n" not in message, message
+        assert trained == 0, (name, trained)
+
+
+@pytest.mark.parametrize("arguments, error, named", [
+    ({"wire_dtype": torch.int8}, ValueError, "wire_dtype = torch.int8: expected torch.float16"),
+    ({"wire_dtype": "float16"}, TypeError, "wire_dtype = 'float16': expected a torch.dtype"),
+    ({"wire_dtype": torch.bfloat16, "process_group_backend": "gloo"}, ValueError,
+     "the Gloo backend cannot all-reduce bfloat16"),
+    ({"balance": "fast"}, ValueError, "balance = 'fast': expected one of"),
+    ({"balance": None}, TypeError, "balance = None: expected a str"),
+    ({"split": [4, 0]}, ValueError, "split = [4, 0]: expected positive integers"),
+    ({"split": 16}, TypeError, "split = 16: expected a sequence of integers"),
+    ({"max_micro_batch": 0}, ValueError, "max_micro_batch = 0: expected a positive integer"),
+    ({"max_micro_batch": [2, 2.5]}, TypeError, "max_micro_batch = [2, 2.5]: expected a sequence of integers"),
+    ({"count_items": "labels"}, TypeError, "count_items = 'labels': expected None or a function"),
+    ({"seed": 1.5}, TypeError, "seed = 1.5: expected an integer"),
+])
+def test_each_argument_is_checked_at_construction_by_name(arguments, error, named):
+    from hetcomm.integrations.lightning import BalancedStrategy
+    with pytest.raises(error) as raised:
+        BalancedStrategy(**arguments)
+    assert str(raised.value).startswith("BalancedStrategy: ") and named in str(raised.value), str(raised.value)
 
 
 def refusals(rank, world):

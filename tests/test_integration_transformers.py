@@ -3,10 +3,15 @@ of 16 trains the weights one process's stock Trainer trains on the union batches
 so that the comparison is of gradients, not of Adam's normalisation of rounding), for a
 loss that divides by num_items_in_batch and one that ignores it (with and without
 average_tokens_across_devices), with gradient accumulation; every sample is drawn once
-an epoch; a checkpoint resumes bit for bit across an epoch; a throttled rank gets fewer
-samples; settings it cannot honour are refused by name."""
+an epoch; a checkpoint resumes bit for bit across an epoch, and its state file changed,
+truncated, of the old format, of another step or of another run is refused naming it; a
+throttled rank gets fewer samples; settings it cannot honour and arguments of a wrong
+type or value are refused by name at construction."""
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,12 +216,92 @@ def resume_runs(rank, world, out):
     return weights(straight.model), weights(resumed.model), straight.batches.split, resumed.batches.split
 
 
-def test_resume_from_a_trainer_checkpoint_goes_on_bit_for_bit(tmp_path):
-    ranks = values(run_ranks(4, resume_runs, str(tmp_path), tmp_path=tmp_path))
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """resume_runs' results on 4 ranks, and the folder of its runs' checkpoints."""
+    out = tmp_path_factory.mktemp("resume")
+    return values(run_ranks(4, resume_runs, str(out), tmp_path=out)), out
+
+
+def test_resume_from_a_trainer_checkpoint_goes_on_bit_for_bit(resumed):
+    ranks, _ = resumed
     straight, resumed, split, split_after = ranks[0]
     assert farthest(straight, resumed) == 0
     # 16 by throughputs 4:4:4:1 (rank 3 at 4 ms a sample, the others at 1 ms)
     assert split == split_after == (5, 5, 5, 1), split
+
+
+def spoilt_checkpoints(saved: Path, foreign: Path, into: Path) -> dict[str, Path]:
+    """Copies of a one-process run's checkpoint-3, each with its hetcomm_state.json
+    spoilt one way, and the 4-rank run's as it is (for one process, another run's)."""
+    from hetcomm.integrations.transformers import STATE_FILE
+    text = (saved / "checkpoint-3" / STATE_FILE).read_text()
+    edited = text.replace('"epoch": 0', '"epoch": 1', 1)   # another epoch's permutation
+    assert edited != text
+    variants = {"edited": (saved, edited), "truncated": (saved, text[: len(text) // 2]),
+                "format 1": (saved, json.dumps(as_format_1(json.loads(text)["batches"]))),
+                "of another step": (saved, (saved / "checkpoint-6" / STATE_FILE).read_text()),
+                "foreign": (foreign, (foreign / "checkpoint-3" / STATE_FILE).read_text())}
+    folders = {}
+    for name, (run, content) in variants.items():
+        folders[name] = into / name.replace(" ", "-") / "checkpoint-3"
+        shutil.copytree(run / "checkpoint-3", folders[name])
+        (folders[name] / STATE_FILE).write_text(content)
+    return folders
+
+
+def as_format_1(state: dict) -> dict:
+    """A balancing state as hetcomm wrote it before format 2: no digest, no run settings
+    but these three."""
+    run = state["run"]
+    return {**{k: v for k, v in state.items() if k != "run"},
+            **{k: run[k] for k in ("global_batch", "accumulation", "world")}}
+
+
+def resumes_refused(rank, world, out, foreign):
+    """A one-process BalancedTrainer of the 4-rank run's global batch saves at steps 3 and
+    6; each spoilt checkpoint resumed by the same: the folders, each one's error and the
+    training steps run before it."""
+    torch.distributed.destroy_process_group()
+    from hetcomm.integrations.transformers import BalancedTrainer
+
+    class Counting(BalancedTrainer):
+        steps_run = 0
+
+        def training_step(self, *args, **kwargs):
+            self.steps_run += 1
+            return super().training_step(*args, **kwargs)
+
+    def trainer(folder, **extra):
+        return Counting(model=build("uses"), args=arguments(folder, 16, 6, **extra), train_dataset=Tokens(),
+                        balance="static", wire_dtype=torch.float32)
+
+    trainer(f"{out}/saved", save_strategy="steps", save_steps=3).train()
+    folders = spoilt_checkpoints(Path(out) / "saved", Path(foreign), Path(out))
+    found = {}
+    for name, folder in folders.items():
+        resumed = trainer(f"{folder}-resumed")
+        try:
+            resumed.train(resume_from_checkpoint=str(folder))
+            found[name] = (None, "resumed", resumed.steps_run)
+        except Exception as error:  # the test inspects which error, and its message
+            found[name] = (type(error), str(error), resumed.steps_run)
+    return folders, found
+
+
+def test_a_spoilt_or_foreign_state_file_is_refused_in_one_line_naming_it(resumed, tmp_path):
+    from hetcomm.integrations.transformers import STATE_FILE
+    folders, found = values(run_ranks(1, resumes_refused, str(tmp_path), str(resumed[1] / "straight"),
+                                      tmp_path=tmp_path))[0]
+    why = {"edited": "damaged or edited", "truncated": "not whole JSON, truncated or damaged", "format 1": "format 1",
+           "of another step": "balancing state after step 6, the checkpoint's training state after step 3",
+           "foreign": "world 4 there, 1 here"}
+    assert set(found) == set(why)
+    for name, (kind, message, steps_run) in found.items():
+        assert kind is not None and issubclass(kind, ValueError), (name, kind, message)
+        assert str(folders[name] / STATE_FILE) in message and why[name] in message, (name, message)
+        assert "resume from another checkpoint, or start fresh" in message and "\n" not in message, message
+        assert steps_run == 0, (name, steps_run)
 
 
 def throttled(rank, world, out):
@@ -248,6 +333,47 @@ def test_a_throttled_rank_gets_fewer_samples_within_the_others_caps(tmp_path):
     assert all(max(split) <= 10 for split in splits), splits
 
 
+TRAINER_ARGUMENTS = {
+    "wire_dtype int8": ({"wire_dtype": torch.int8}, ValueError, "wire_dtype = torch.int8: expected torch.float16"),
+    "wire_dtype str": ({"wire_dtype": "float16"}, TypeError, "wire_dtype = 'float16': expected a torch.dtype"),
+    "balance type": ({"balance": 2}, TypeError, "balance = 2: expected a str"),
+    "split type": ({"split": [4.0]}, TypeError, "split = [4.0]: expected a sequence of integers"),
+    "max_micro_batch type": ({"max_micro_batch": "4"}, TypeError, "max_micro_batch = '4': expected a sequence"),
+    # one process, 4 samples a step: micro-batches of at most 2 cannot hold them
+    "max_micro_batch holds": ({"max_micro_batch": 2}, ValueError,
+                              "max_micro_batch = 2 x 1 micro-batches holds at most 2 samples"),
+    "count_items": ({"count_items": 3}, TypeError, "count_items = 3: expected None or a function"),
+}
+
+
+def arguments_refused(rank, world, out):
+    """Each of TRAINER_ARGUMENTS given to a one-process BalancedTrainer: its error."""
+    torch.distributed.destroy_process_group()
+    from hetcomm.integrations.transformers import BalancedTrainer
+    found = {}
+    for name, (given, _, _) in TRAINER_ARGUMENTS.items():
+        try:
+            BalancedTrainer(model=build("uses"), args=arguments(out, 4, 1), train_dataset=Tokens(), **given)
+            found[name] = (None, "accepted")
+        except Exception as error:  # the test inspects which error, and its message
+            found[name] = (type(error), str(error))
+    return found
+
+
+@pytest.fixture(scope="module")
+def refused_arguments(tmp_path_factory):
+    out = tmp_path_factory.mktemp("arguments")
+    return values(run_ranks(1, arguments_refused, str(out), tmp_path=out))[0]
+
+
+@pytest.mark.parametrize("name", TRAINER_ARGUMENTS)
+def test_each_argument_is_checked_at_construction_by_name(name, refused_arguments):
+    _, kind, expected = TRAINER_ARGUMENTS[name]
+    found, message = refused_arguments[name]
+    assert found is kind, (name, found, message)
+    assert message.startswith("BalancedTrainer: ") and expected in message, message
+
+
 def refusals(rank, world, out):
     as_torchrun(rank, world)
     from hetcomm.integrations.transformers import BalancedTrainer
@@ -272,12 +398,17 @@ def refusals(rank, world, out):
             cls(model=build("uses"), args=arguments(out, 4, 1, **extra), train_dataset=data)
         except ValueError as error:
             messages[name] = str(error)
+    try:   # Gloo cannot all-reduce bfloat16
+        BalancedTrainer(model=build("uses"), args=arguments(out, 4, 1), train_dataset=Tokens(),
+                        wire_dtype=torch.bfloat16)
+    except ValueError as error:
+        messages["bfloat16"] = str(error)
     return messages
 
 
 def test_settings_it_cannot_honour_are_refused_by_name(tmp_path):
     messages = values(run_ranks(2, refusals, str(tmp_path), tmp_path=tmp_path))[0]
     assert set(messages) == {"split_batches", "_get_train_sampler", "IterableDataset", "train_sampling_strategy",
-                             "dataloader_drop_last"}
+                             "dataloader_drop_last", "bfloat16"}
     for name, message in messages.items():
         assert name in message, message

@@ -17,8 +17,8 @@ from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistribu
                              wait_for_compute)
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm.collectives import gather_floats
+from hetcomm.integrations.settings import check_settings
 
-BALANCE = ("dynamic", "static", "equal")
 # The step whose times give the first split: the first one's hold one-time costs. On the
 # simulated cluster (speeds 1,1,0.5,0.25), the first step's times split 16 as [9, 4, 2, 1].
 TIMED_STEP = 1
@@ -54,6 +54,9 @@ class BalancedBatches:
         seed, drop_last: the permutation's seed; whether an epoch's leftover samples
             (fewer than a global batch) are left out instead of forming a smaller step.
         rebalance_threshold: adopt a new split only for this much less predicted time.
+
+    Every argument is checked here (TypeError, ValueError naming it): see
+    hetcomm.integrations.settings.
     """
 
     # What a step's compute is timed by. A test may put a clock of its own here (one that
@@ -68,12 +71,14 @@ class BalancedBatches:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.who = who
-        _check(dataset_size, global_batch, accumulation, balance, steps_ahead, self.world, drop_last, who)
+        self.fixed, caps = check_settings(dataset_size, global_batch, self.world, accumulation=accumulation,
+                                          balance=balance, split=split, max_micro_batch=max_micro_batch, seed=seed,
+                                          drop_last=drop_last, steps_ahead=steps_ahead,
+                                          rebalance_threshold=rebalance_threshold, who=who)
         self.global_batch, self.accumulation, self.balance = global_batch, accumulation, balance
         self.steps_ahead = steps_ahead
-        self.fixed = _fixed_split(split, self.world, global_batch, accumulation, who)
-        caps = _caps(max_micro_batch, self.world, accumulation, who)
-        start = self.fixed or equal_split(global_batch, self.world)   # at least `accumulation` each, as checked
+        self.max_micro_batch = None if caps is None else [c // accumulation for c in caps]
+        start = self.fixed or _start_split(global_batch, self.world, caps, accumulation)
         self.sampler = WeightedDistributedSampler(dataset_size, start, self.rank, seed=seed, drop_last=drop_last)
         self.rebalancer = None
         if not self.fixed and balance != "equal" and self.world > 1:
@@ -209,34 +214,46 @@ class BalancedBatches:
     def state_dict(self) -> dict:
         """Where the data stands after the steps finished so far (a loader may have drawn
         further), the splits of the steps to come, and the rebalancer's estimates; plain
-        JSON-able values, the same on every rank."""
+        JSON-able values, the same on every rank; with the settings that decide which
+        samples each step draws, which load_state_dict compares."""
         step = self.finished
         epoch, cursor, sizes = self.positions.get(step, (self.sampler.epoch, self.sampler.cursor,
                                                          self.sampler.sizes))
         coming = {k: list(self.positions[k][2]) for k in range(step + 1, self.drawn)}
         coming.update({k: list(v) for k, v in self.scheduled.items()})
-        return {"steps": step, "global_batch": self.global_batch, "accumulation": self.accumulation,
-                "world": self.world,
+        return {"run": self.settings(), "steps": step,
                 "sampler": {**self.sampler.state_dict(), "epoch": epoch, "cursor": cursor, "sizes": list(sizes)},
                 "scheduled": {str(k): v for k, v in coming.items() if k > step},
                 "rebalancer": self.rebalancer.rebalancer.state_dict() if self.rebalancer else None}
+
+    def settings(self) -> dict:
+        """What decides which samples each rank draws at each step: a state goes on only
+        in batches built alike."""
+        return {"dataset_size": self.sampler.dataset_size, "global_batch": self.global_batch,
+                "accumulation": self.accumulation, "world": self.world, "seed": self.sampler.seed,
+                "drop_last": self.sampler.drop_last, "balance": self.balance,
+                "split": None if self.fixed is None else list(self.fixed), "max_micro_batch": self.max_micro_batch}
 
     def done_in_epoch(self) -> int:
         """Micro-batches of the current epoch already run (where a resumed run stands)."""
         return self.sampler.cursor // self.global_batch * self.accumulation
 
     def load_state_dict(self, state: dict, *, skipped_by_loader: bool = False) -> None:
-        """Continues where state_dict() was taken: same dataset, seed, global batch,
-        accumulation and number of ranks (ValueError naming the one that differs).
+        """Continues where state_dict() was taken, by batches of the same settings()
+        (ValueError naming each one that differs).
         skipped_by_loader: the framework skips the micro-batches its epoch has run by
         drawing them from a fresh loader and dropping them (accelerate's
         skip_first_batches): that many empty placeholders come first, which it drops
         without loading anything."""
-        for key, mine in (("global_batch", self.global_batch), ("accumulation", self.accumulation),
-                          ("world", self.world)):
-            if state[key] != mine:
-                raise ValueError(f"{self.who}: the checkpoint's balancing state has {key} = {state[key]}, this run "
-                                 f"{mine}")
+        saved = state.get("run")
+        if not isinstance(saved, dict):
+            raise ValueError(f"{self.who}: the balancing state holds no run settings (taken by hetcomm before they "
+                             f"were recorded): where its data stood in this run is unknown")
+        differences = [f"{key} {saved.get(key)!r} there, {mine!r} here" for key, mine in self.settings().items()
+                       if saved.get(key) != mine]
+        if differences:
+            raise ValueError(f"{self.who}: the balancing state belongs to a run of other settings: "
+                             + ", ".join(differences))
         self.sampler.load_state_dict(state["sampler"])
         self.finished = self.drawn = int(state["steps"])
         self.positions, self.shares = {}, {}
@@ -254,56 +271,10 @@ def loader_steps_ahead(num_workers: int, prefetch_factor: int | None, accumulati
     return math.ceil(num_workers * (prefetch_factor or 2) / accumulation)
 
 
-def check_settings(dataset_size: int, global_batch: int, world: int, *, accumulation: int = 1,
-                   balance: str = "dynamic", split=None, max_micro_batch=None, drop_last: bool = False,
-                   who: str = "hetcomm") -> None:
-    """What BalancedBatches would refuse, for a framework to refuse it when it is set up
-    rather than when its loader is built."""
-    _check(dataset_size, global_batch, accumulation, balance, 0, world, drop_last, who)
-    _fixed_split(split, world, global_batch, accumulation, who)
-    _caps(max_micro_batch, world, accumulation, who)
-
-
-def _check(dataset_size, global_batch, accumulation, balance, steps_ahead, world, drop_last, who) -> None:
-    """ValueError naming the argument, before anything is drawn."""
-    for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
-                               ("accumulation", accumulation, 1), ("steps_ahead", steps_ahead, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{who}: {name} = {value!r}: expected an integer of at least {least}")
-    if balance not in BALANCE:
-        raise ValueError(f"{who}: balance = {balance!r}: expected one of {', '.join(BALANCE)}")
-    if global_batch < world * accumulation:
-        raise ValueError(f"{who}: the global batch of {global_batch} samples cannot give each of the {world} ranks "
-                         f"one sample for each of its {accumulation} micro-batches; use a global batch of at least "
-                         f"{world * accumulation}")
-    if global_batch > dataset_size:
-        raise ValueError(f"{who}: the global batch of {global_batch} samples is larger than the dataset "
-                         f"({dataset_size})")
-    leftover = dataset_size % global_batch
-    if not drop_last and 0 < leftover < world * accumulation:
-        raise ValueError(f"{who}: the dataset's {dataset_size} samples leave {leftover} for an epoch's last step, "
-                         f"fewer than one for each of the {accumulation} micro-batches on each of the {world} ranks "
-                         f"({world * accumulation}); leave them out (drop_last, dataloader_drop_last) or change "
-                         f"the global batch")
-
-
-def _fixed_split(split, world, global_batch, accumulation, who) -> tuple[int, ...] | None:
-    if split is None:
-        return None
-    split = tuple(split)
-    if len(split) != world or any(isinstance(b, bool) or not isinstance(b, int) or b < accumulation
-                                  for b in split) or sum(split) != global_batch:
-        raise ValueError(f"{who}: split = {list(split)!r}: expected {world} integers of at least {accumulation} (one "
-                         f"sample per micro-batch) adding up to the global batch {global_batch}")
-    return split
-
-
-def _caps(max_micro_batch, world, accumulation, who) -> list[int] | None:
-    """Each rank's largest share: its largest micro-batch times the micro-batches."""
-    if max_micro_batch is None:
-        return None
-    caps = [max_micro_batch] * world if isinstance(max_micro_batch, int) else list(max_micro_batch)
-    if len(caps) != world or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
-        raise ValueError(f"{who}: max_micro_batch = {max_micro_batch!r}: expected a positive integer, or one per "
-                         f"rank ({world})")
-    return [c * accumulation for c in caps]
+def _start_split(global_batch: int, world: int, caps: list[int] | None, accumulation: int) -> tuple[int, ...]:
+    """The shares before any timing: equal, or as near it as the caps allow (a card
+    must not hold more than its cap on the first steps either)."""
+    equal = equal_split(global_batch, world)
+    if caps is None or all(b <= c for b, c in zip(equal, caps)):
+        return equal
+    return solve_split(global_batch, [(0.0, 1.0)] * world, caps, "move", min_per_rank=accumulation).sizes

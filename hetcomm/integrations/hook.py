@@ -8,6 +8,7 @@ from torch import Tensor
 
 from hetcomm.comm import WeightedHookState, weighted_hook
 from hetcomm.comm.reducer import scalar_on
+from hetcomm.integrations.settings import check_wire_dtype
 
 
 class BalancedHookState(WeightedHookState):
@@ -25,11 +26,24 @@ class BalancedHookState(WeightedHookState):
     know N before the last one). Dividing by r keeps the gradients at a mean's size: a sum
     would be N times larger in a 16-bit backward (on the H200 a GradScaler skipped 3 of 4
     steps) and on the wire. The loss scale is left to the framework (a GradScaler
-    unscales, and sees an overflow on the wire as the inf it becomes)."""
+    unscales, and sees an overflow on the wire as the inf it becomes).
+
+    batches: the BalancedBatches it tells when a rank's compute is done (None until the
+    framework builds them, before the first backward). Built after init_process_group."""
 
     who = "hetcomm.integrations hook"
 
     def __init__(self, batches, process_group=None, wire_dtype: torch.dtype = torch.float16, per_item: bool = False):
+        if batches is not None and not callable(getattr(batches, "compute_done", None)):
+            raise TypeError(f"{self.who}: batches = {type(batches).__name__}: expected the BalancedBatches the "
+                            f"loader draws from (or None until they are built)")
+        if not isinstance(per_item, bool):
+            raise TypeError(f"{self.who}: per_item = {per_item!r}: expected a bool")
+        check_wire_dtype(wire_dtype, self.who, process_group)
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{self.who}: torch.distributed is not initialised; build the hook's state after "
+                               f"init_process_group (torchrun, accelerate and Lightning do it), for the DDP model's "
+                               f"process group")
         super().__init__(process_group=process_group, wire_dtype=wire_dtype)
         self.batches, self.per_item = batches, per_item
         self.agreed = False

@@ -12,7 +12,9 @@ training_step returns its usual mean loss over the micro-batch; the strategy mak
 gradient the exact mean over the global batch's items (count_items: labels other than
 -100 in a dict batch, else samples) through hetcomm's DDP hook, which it registers on CPU
 (Gloo) too, where Lightning's own hook support stops. Checkpoints carry the data
-position, splits and estimates under checkpoint["hetcomm"]. Needs lightning >= 2.4
+position, splits and estimates under checkpoint["hetcomm"], sealed with a digest of them
+and of the run's settings: a damaged, edited or foreign one is refused before any
+training step. Needs lightning >= 2.4
 (pip install 'hetcomm[lightning]')."""
 
 import torch
@@ -23,6 +25,8 @@ from hetcomm.integrations import require
 from hetcomm.integrations.batches import BalancedBatches, loader_steps_ahead
 from hetcomm.integrations.hook import BalancedHookState, balanced_hook
 from hetcomm.integrations.items import count_items as items_in
+from hetcomm.integrations.saved_state import ADVICE, load_into, restored, saved
+from hetcomm.integrations.settings import check_bfloat16_backend, check_choices, check_count_items, check_wire_dtype
 
 require("lightning", "lightning", minimum="2.4")
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
@@ -43,6 +47,10 @@ class BalancedStrategy(DDPStrategy):
             rank); None: no cap.
         count_items: micro-batch -> the items its training_step's loss averages over.
         seed: the data order's seed (the same on every rank).
+
+    Each is checked at construction (TypeError, ValueError naming it); what depends on
+    the ranks and the loader (a split's length and sum, the caps against the global
+    batch) when the train loader is built, before any step.
     """
 
     def __init__(self, *, balance: str = "dynamic", split=None, wire_dtype: torch.dtype = torch.float16,
@@ -50,13 +58,18 @@ class BalancedStrategy(DDPStrategy):
         for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if taken in ddp_kwargs:
                 raise ValueError(f"BalancedStrategy: {taken} is hetcomm's own hook; leave it out")
-        super().__init__(**ddp_kwargs)
         self.settings = {"balance": balance, "split": split, "max_micro_batch": max_micro_batch, "seed": seed}
+        check_choices(**self.settings, who="BalancedStrategy")
+        check_count_items(count_items, "BalancedStrategy")
+        check_wire_dtype(wire_dtype, "BalancedStrategy")
+        check_bfloat16_backend(wire_dtype, ddp_kwargs.get("process_group_backend"), "BalancedStrategy")
+        super().__init__(**ddp_kwargs)
         self.wire_dtype = wire_dtype
         self.items_of = count_items or items_in
         self.batches: BalancedBatches | None = None
         self.hook_state: BalancedHookState | None = None
-        self.restored: dict | None = None
+        self.restored: dict | None = None      # the checkpoint's balancing state, verified
+        self.restored_from: str | None = None
         self.micro_items = 0.0     # the running micro-batch's items
 
     # --- data ----------------------------------------------------------------------------
@@ -82,7 +95,7 @@ class BalancedStrategy(DDPStrategy):
             steps_ahead=loader_steps_ahead(dataloader.num_workers, dataloader.prefetch_factor, accumulation),
             **self.settings)
         if self.restored is not None:
-            self.batches.load_state_dict(self.restored)
+            load_into(self.batches, self.restored, self.restored_from, "BalancedStrategy")
         if self.hook_state is not None:
             self.hook_state.batches = self.batches
         extra = {"prefetch_factor": dataloader.prefetch_factor, "persistent_workers": dataloader.persistent_workers} \
@@ -95,6 +108,7 @@ class BalancedStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         """hetcomm's hook, on any device (Lightning registers hooks on CUDA only)."""
+        check_wire_dtype(self.wire_dtype, "BalancedStrategy", self.model.process_group)
         self.hook_state = BalancedHookState(self.batches, self.model.process_group, self.wire_dtype, per_item=True)
         self.model.register_comm_hook(self.hook_state, balanced_hook)
 
@@ -126,15 +140,17 @@ class BalancedStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         if self.batches is not None:
-            checkpoint[CHECKPOINT_KEY] = self.batches.state_dict()
+            checkpoint[CHECKPOINT_KEY] = saved(self.batches)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if CHECKPOINT_KEY not in checkpoint:
             raise ValueError(f"BalancedStrategy: the checkpoint {checkpoint_path} holds no hetcomm state: it was not "
-                             f"saved with BalancedStrategy, so where its data stood is unknown")
-        self.restored = checkpoint[CHECKPOINT_KEY]
+                             f"saved with BalancedStrategy, so where its data stood is unknown; {ADVICE}")
+        self.restored_from = f"{checkpoint_path} (its {CHECKPOINT_KEY!r} entry)"
+        self.restored = restored(checkpoint[CHECKPOINT_KEY], self.restored_from, "BalancedStrategy",
+                                 steps=checkpoint.get("global_step"))
         return checkpoint
 
 

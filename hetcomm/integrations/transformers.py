@@ -12,11 +12,12 @@ normalised it (by num_items_in_batch, checked on the first step by running the l
 two values of it, or as a mean over the micro-batch), so DDP's average is the exact
 gradient. The gradients travel through hetcomm's DDP hook (fp16 wire by default);
 Trainer's fp16/bf16, clipping, schedulers, logging and checkpoints work as before, and a
-checkpoint carries the data position, split and speed estimates (hetcomm_state.json).
-Needs transformers >= 5 and accelerate (pip install 'hetcomm[hf]')."""
+checkpoint carries the data position, split and speed estimates (hetcomm_state.json,
+sealed with a digest of them and of the run's settings: a damaged, edited or foreign one
+is refused when training starts). Needs transformers >= 5 and accelerate (pip install 'hetcomm[hf]')."""
 
-import json
 import os
+from pathlib import Path
 from functools import partial
 
 import torch
@@ -25,13 +26,18 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hetcomm.comm.collectives import gather_floats
 from hetcomm.integrations import require
-from hetcomm.integrations.batches import BalancedBatches, check_settings, loader_steps_ahead
+from hetcomm.files.verified import CheckpointError
+from hetcomm.files.verified_json import read_json, write_json
+from hetcomm.integrations.batches import BalancedBatches, loader_steps_ahead
 from hetcomm.integrations.hook import BalancedHookState, balanced_hook
 from hetcomm.integrations.items import count_items as items_in, total_items
+from hetcomm.integrations.saved_state import ADVICE, load_into, restored, saved
+from hetcomm.integrations.settings import check_choices, check_count_items, check_settings, check_wire_dtype
 
 transformers = require("transformers", "hf", minimum="5.0")
 require("accelerate", "hf")
 from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker  # noqa: E402
 
 STATE_FILE = "hetcomm_state.json"
@@ -52,22 +58,29 @@ class BalancedTrainer(Trainer):
             rank); None: no cap. A share is at most gradient_accumulation_steps times it.
         count_items: micro-batch -> the items its loss averages over; default: labels
             other than -100 (shifted for a causal LM), else samples.
+
+    Each is checked at construction (TypeError, ValueError naming it), with the
+    Trainer settings balancing cannot honour.
     """
 
     def __init__(self, *args, balance: str = "dynamic", split=None, wire_dtype: torch.dtype = torch.float16,
                  max_micro_batch=None, count_items=None, **kwargs):
+        self.balance_settings = {"balance": balance, "split": split, "max_micro_batch": max_micro_batch}
+        check_choices(**self.balance_settings, who="BalancedTrainer")
+        check_count_items(count_items, "BalancedTrainer")
+        check_wire_dtype(wire_dtype, "BalancedTrainer")
         super().__init__(*args, **kwargs)
         _check_trainer(self)
-        self.balance_settings = {"balance": balance, "split": split, "max_micro_batch": max_micro_batch}
-        if self.train_dataset is not None:
-            a = self.args
-            check_settings(len(self.train_dataset), _global_batch(a), a.world_size,
-                           accumulation=a.gradient_accumulation_steps, drop_last=a.dataloader_drop_last,
-                           who="BalancedTrainer", **self.balance_settings)
+        check_wire_dtype(wire_dtype, "BalancedTrainer")   # again: now against the process group Trainer made
+        a, dataset = self.args, self.train_dataset
+        check_settings(None if dataset is None else len(dataset), _global_batch(a), a.world_size,
+                       accumulation=a.gradient_accumulation_steps, drop_last=a.dataloader_drop_last,
+                       seed=_data_seed(a), who="BalancedTrainer", **self.balance_settings)
         self.wire_dtype = wire_dtype
         self.items_of = count_items or (lambda batch: items_in(batch, self._loss_shifts_labels))
         self.batches: BalancedBatches | None = None
         self.resume_path: str | None = None
+        self.resumed_state: dict | None = None   # the checkpoint's balancing state, verified
         self.step_items: float | None = None     # this step's items over all ranks
         self.micro_items: list[int] = []         # this rank's micro-batches' items not yet trained on
         self.num_items: float | None = None      # Trainer's num_items_in_batch of the step
@@ -79,6 +92,7 @@ class BalancedTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self.resume_path = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True \
             else resume_from_checkpoint or None
+        self.resumed_state = _read_state(self.resume_path) if self.resume_path is not None else None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -92,15 +106,15 @@ class BalancedTrainer(Trainer):
         workers = args.dataloader_num_workers
         self.batches = BalancedBatches(
             len(dataset), _global_batch(args),
-            accumulation=accumulation, seed=args.data_seed if args.data_seed is not None else args.seed,
+            accumulation=accumulation, seed=_data_seed(args),
             drop_last=args.dataloader_drop_last, who="BalancedTrainer",
             steps_ahead=loader_steps_ahead(workers, args.dataloader_prefetch_factor, accumulation),
             **self.balance_settings)
-        if self.resume_path is not None:
+        if self.resumed_state is not None:
             # Trainer before 5.2x skips the epoch's done micro-batches with accelerate's
             # skip_first_batches; later ones ask get_resumed_dataloader, which skips nothing.
-            self.batches.load_state_dict(_read_state(self.resume_path),
-                                         skipped_by_loader=not hasattr(Trainer, "get_resumed_dataloader"))
+            load_into(self.batches, self.resumed_state, _state_path(self.resume_path), "BalancedTrainer",
+                      skipped_by_loader=not hasattr(Trainer, "get_resumed_dataloader"))
         extra = {"prefetch_factor": args.dataloader_prefetch_factor,
                  "persistent_workers": args.dataloader_persistent_workers} if workers else {}
         return DataLoader(dataset, batch_sampler=self.batches, collate_fn=collator, num_workers=workers,
@@ -111,8 +125,9 @@ class BalancedTrainer(Trainer):
         """The batches continue from the checkpoint's position already: nothing to skip."""
         epoch_batches = self.batches.done_in_epoch()
         if epoch_batches != num_batches:
-            raise ValueError(f"BalancedTrainer: the checkpoint's balancing state is {epoch_batches} micro-batches "
-                             f"into its epoch, Trainer's state {num_batches}: they belong to different runs")
+            raise ValueError(f"BalancedTrainer: {_state_path(self.resume_path)}: the balancing state is "
+                             f"{epoch_batches} micro-batches into its epoch, Trainer's state {num_batches}: they "
+                             f"belong to different runs; {ADVICE}")
         return dataloader
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -191,10 +206,7 @@ class BalancedTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and self.batches is not None:
-            temporary = os.path.join(folder, STATE_FILE + ".tmp")
-            with open(temporary, "w") as f:
-                json.dump(self.batches.state_dict(), f)
-            os.replace(temporary, os.path.join(folder, STATE_FILE))
+            write_json(_state_path(folder), saved(self.batches))
 
 
 class _Balancing(TrainerCallback):
@@ -247,13 +259,37 @@ def _global_batch(args) -> int:
     return args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
 
 
+def _data_seed(args) -> int:
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
+def _state_path(checkpoint: str) -> Path:
+    return Path(checkpoint) / STATE_FILE
+
+
 def _read_state(checkpoint: str) -> dict:
-    path = os.path.join(checkpoint, STATE_FILE)
-    if not os.path.exists(path):
+    """The checkpoint's balancing state, whole and of the step Trainer's own state is
+    at (CheckpointError, a ValueError, naming the file otherwise)."""
+    path = _state_path(checkpoint)
+    if not path.exists():
         raise ValueError(f"BalancedTrainer: resume_from_checkpoint = {checkpoint!r} holds no {STATE_FILE}: it was "
-                         f"not saved by a BalancedTrainer, so where its data stood is unknown")
-    with open(path) as f:
-        return json.load(f)
+                         f"not saved by a BalancedTrainer, so where its data stood is unknown; {ADVICE}")
+    return restored(_json_of(path), str(path), "BalancedTrainer", steps=_trainer_steps(checkpoint))
+
+
+def _trainer_steps(checkpoint: str) -> int | None:
+    """The step of Trainer's own state in the checkpoint (None where it has none: Trainer
+    refuses that itself)."""
+    path = Path(checkpoint) / TRAINER_STATE_NAME
+    found = _json_of(path) if path.exists() else None
+    return found.get("global_step") if isinstance(found, dict) else None
+
+
+def _json_of(path: Path):
+    try:
+        return read_json(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"BalancedTrainer: {error}; {ADVICE}") from None
 
 
 def _is_hf_dataset(dataset) -> bool:
