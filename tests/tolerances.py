@@ -62,3 +62,104 @@ def order_bound(reference, reordered) -> float:
     largest = max(torch.as_tensor(x).abs().max().item() for x in reference)
     dtype = torch.as_tensor(reference[0]).dtype
     return SPREAD_FACTOR * spread + ULPS_FLOOR * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[torch.float32]) * 2 * largest
+
+
+# --- Single computations, counted operation by operation ------------------------------
+#
+# Each bound below is a count of the roundings on the way from the inputs to a result,
+# turned into a relative error by compose(); where a result is a sum, relative to the sum
+# of its terms' magnitudes (Higham 2.2 and 3.1). All hold whatever order a host's kernels
+# add in, since only the number of roundings on a term's way is counted, never where.
+
+def compose(*errors: float) -> float:
+    """The relative error of a chain of steps, each within its own relative error."""
+    total = 1.0
+    for error in errors:
+        total *= 1 + error
+    return total - 1
+
+
+def apart(tested: float, reference: float) -> float:
+    """The rtol, relative to the reference's value, by which two approximations of one
+    exact value may differ when they are within `tested` and `reference` of it."""
+    return (tested + reference) / (1 - reference)
+
+
+def sq_norm_rtol(n: int, fp32_terms: int = 0, additions: int = 1) -> float:
+    """unpack_'s sq_norm of n written values against their exact sum of squares: squares
+    summed in fp32 in runs of up to `fp32_terms` before float64 takes over (0: squared
+    and summed in float64 from the start, as the CPU kernels and the reference do; 8: the
+    CUDA kernels' fused multiply-adds per vector group; BLOCK: a Triton program's
+    block), at most n float64 additions, one rounding to fp32, and `additions` fp32
+    additions into sq_norm (one per unpack_ call)."""
+    fp32_run = gamma(fp32_terms) if fp32_terms else 0.0
+    return compose(fp32_run, gamma(n, torch.float64), UNIT_ROUNDOFF[torch.float32],
+                   gamma(additions) if additions else 0.0)
+
+
+def sqrt_rtol(squared_rtol: float) -> float:
+    """The relative error of an fp32 square root of a value within `squared_rtol`: half
+    of it, to first order, and the root's own rounding, counted as one ulp (two
+    roundings: torch's fp32 sqrt on CPU is not always correctly rounded)."""
+    return compose(1 - (1 - squared_rtol) ** 0.5, 2 * UNIT_ROUNDOFF[torch.float32])
+
+
+def subnormal_step(dtype: torch.dtype) -> float:
+    """The absolute error of one rounding to `dtype` below its normal range (half the
+    spacing of its subnormals), where a relative bound says nothing."""
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps / 2
+
+
+def reduction_rtol(ranks: int, wire: torch.dtype, scale_roundings: int = 0) -> float:
+    """WeightedReducer's sum_i w_i g_i, per element, relative to sum_i |w_i g_i|: each
+    rank's weight rounded from a double to fp32, the product g_i * w_i rounded in fp32,
+    cast to the wire, ranks - 1 additions on the wire (each, on a 16-bit wire, an fp32
+    sum rounded to the wire: two roundings), unpack_'s multiply by its scale, that scale
+    made by `scale_roundings` fp32 roundings of double values (a loss scale's reciprocal,
+    an expected total's correction), and the test's float64 sum."""
+    u32, u64, u_wire = (UNIT_ROUNDOFF[t] for t in (torch.float32, torch.float64, wire))
+    to_fp32 = compose(u64, u32)
+    addition = u32 if wire == torch.float32 else compose(u32, u_wire)
+    wire_cast = 0.0 if wire == torch.float32 else u_wire
+    return compose(to_fp32, u32, wire_cast, *[addition] * (ranks - 1), u32, *[to_fp32] * scale_roundings,
+                   gamma(ranks + 1, torch.float64))
+
+
+def reduction_floor(ranks: int, wire: torch.dtype, unpack_scale: float, rtol: float) -> float:
+    """The absolute part of the same bound: each rounding on the wire (a cast per rank,
+    ranks - 1 additions) may land below the wire's normal range, where it errs by up to
+    subnormal_step(wire) in wire units; unpack_ multiplies by unpack_scale."""
+    return (2 * ranks - 1) * subnormal_step(wire) * abs(unpack_scale) * (1 + rtol)
+
+
+def weighted_sum(terms, weights):
+    """sum_i w_i t_i and sum_i |w_i t_i| in float64; a term None contributes nothing."""
+    expected = magnitude = 0.0
+    for term, weight in zip(terms, weights, strict=True):
+        if term is not None:
+            weighted = term.double() * weight
+            expected, magnitude = expected + weighted, magnitude + weighted.abs()
+    return expected, magnitude
+
+
+def excess(got, expected, allowance) -> float:
+    """The largest |got - expected| / allowance over the elements (<= 1: within it)."""
+    distance = (got.double() - expected).abs()
+    allowance = torch.as_tensor(allowance, dtype=torch.float64).expand_as(distance)
+    ratio = torch.where(distance == 0, 0.0, distance / allowance)
+    return ratio.max().item() if ratio.numel() else 0.0
+
+
+def fp32_squares_run(backend: str, device: str = "cpu") -> int:
+    """How many squares unpack_ on `backend` (a `device` parametrization of the op tests:
+    "cpu", "cuda", "emu-...", "triton") sums in fp32 before float64: sq_norm_rtol's
+    fp32_terms. The CUDA kernels fuse at most one 16-byte group (8 values) per fp32 run;
+    a Triton program sums one block, in an order tl.sum does not promise."""
+    if backend == "cpu":
+        return 0
+    if backend == "triton":
+        from hetcomm.triton import configs
+
+        return configs.default_config(torch.device(device)).kwargs["BLOCK"]
+    return 8
