@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks, values
 from test_trainer import losses, tiny_config
+from tolerances import farthest, order_bound
 
 from hetcomm.loop.checkpoint import CheckpointError, checkpoints
 from hetcomm.train import launch
@@ -46,7 +47,16 @@ def test_sharded_training_follows_the_unsharded_run(tmp_path):
     plain = values(run_ranks(4, run_and_keep_state, replace(sharded_config(tmp_path, split="1,3,5,7"), shard=False,
                                                             state_memory=None, out=str(tmp_path / "p")),
                              tmp_path=tmp_path / "p"))
-    torch.testing.assert_close(torch.tensor(sharded[0][0]), torch.tensor(plain[0][0]), rtol=2e-3, atol=0)
+    # Within order_bound of the unsharded run: how far that run lands when only the order of
+    # its sums changes, the fp16 wire's sum included (the reduce-scatter adds the ranks'
+    # fp16 values in another order than the all-reduce does): the same shares dealt to the
+    # ranks in reverse. bf16 weights make it coarse: an fp32 master moved by a rounding can
+    # round to the neighbouring bf16 weight.
+    twin = values(run_ranks(4, run_and_keep_state, replace(sharded_config(tmp_path, split="7,5,3,1"), shard=False,
+                                                           state_memory=None, out=str(tmp_path / "t")),
+                            tmp_path=tmp_path / "t"))
+    bound = order_bound([plain[0][0]], [[twin[0][0]]])
+    assert farthest([sharded[0][0]], [plain[0][0]]) <= bound, (sharded[0][0], plain[0][0], bound)
     assert sharded[0][0][-1] < sharded[0][0][0]
     ranges = [r[1] for r in sharded]
     total = ranges[-1][1]

@@ -3,7 +3,7 @@ range, stepped by the fused adamw_ op straight from the reduced 16-bit gradient,
 16-bit weights written into the flat weight buffer and all-gathered from there."""
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,16 @@ class ShardedAdamW(torch.optim.Optimizer):
     StepResult.clip_coefficient). step() ends with every rank holding the new weights.
 
     State per rank: for its range only, fp32 masters (not for fp32 weights: the flat
-    weights are the masters) and the two fp32 moments: state_bytes() counts them."""
+    weights are the masters) and the two fp32 moments: state_bytes() counts them.
+
+    initial_masters: for 16-bit weights, the fp32 values the masters start from, one
+    tensor per parameter of the reducer in its order (the model's weights before they
+    were cast to 16 bits, on any device); the masters then start where an unsharded
+    optimizer's fp32 masters do. Without it they start from the 16-bit weights, widened."""
 
     def __init__(self, params: Iterable, reducer: ShardedReducer, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 initial_masters: Sequence[Tensor] | None = None):
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(reducer, ShardedReducer):
             raise TypeError(f"ShardedAdamW: reducer must be a hetcomm.shard.ShardedReducer (BalancedLoop(..., "
@@ -47,6 +53,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.range = (start, stop)
         device = flat.device
         self.masters = None if flat.dtype == torch.float32 else flat.weights[start:stop].float()
+        if initial_masters is not None:
+            self._start_masters_from(initial_masters)
         self.exp_avg = torch.zeros(stop - start, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(stop - start, dtype=torch.float32, device=device)
         self.steps = [torch.zeros(1, dtype=torch.float32, device=device) for _ in self.param_groups]
@@ -60,6 +68,20 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._gather_order = sorted(reducer.buckets, key=lambda b: b.start)   # the forward's order
         # Per group, the views adamw_ takes, made once: the step is one call per group.
         self._views = [self._views_of(group_pieces, wires) for group_pieces in pieces]
+
+    def _start_masters_from(self, initial: Sequence[Tensor]) -> None:
+        if self.masters is None:
+            raise ValueError("ShardedAdamW: initial_masters is for 16-bit weights; these are fp32, their own masters")
+        shapes = [tuple(p.shape) for p in self.flat.params]
+        if len(initial) != len(shapes) or any(not isinstance(t, Tensor) or t.dtype != torch.float32
+                                              or tuple(t.shape) != shape for t, shape in zip(initial, shapes)):
+            raise ValueError(f"ShardedAdamW: initial_masters must be {len(shapes)} fp32 tensors of the reducer's "
+                             f"parameters' shapes, in its order ({shapes[:3]}...)")
+        start = self.range[0]
+        for piece in self.flat.pieces(*self.range):
+            offset = self.flat.offsets[piece.index]
+            source = initial[piece.index].reshape(-1)[piece.start - offset:piece.stop - offset]
+            self.masters[piece.start - start:piece.stop - start].copy_(source)
 
     def _views_of(self, pieces: list[tuple[int, int]], wires) -> dict[str, list[Tensor]]:
         start = self.range[0]

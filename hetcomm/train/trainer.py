@@ -162,9 +162,12 @@ class Trainer:
         self.masters: list[torch.nn.Parameter] | None = None
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
         # Sharded, the fp32 masters live on their ranges' owners (hetcomm.shard.ShardedAdamW).
+        initial_masters = None
         if dtype is not None and config.weights == "compute":
             if not config.shard:
                 self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
+            else:   # the fp32 weights the owners' masters start from (on the host until they are taken)
+                initial_masters = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]
             self.model.to(dtype)
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
@@ -190,7 +193,7 @@ class Trainer:
             shard=self._shard(world, device) if config.shard else None)
         if config.shard:
             self.optimizer = ShardedAdamW(param_groups(list(self.model.parameters()), config), self.loop.reducer,
-                                          lr=config.lr, betas=(0.9, 0.95))
+                                          lr=config.lr, betas=(0.9, 0.95), initial_masters=initial_masters)
         else:
             self.optimizer = make_optimizer(self.trained_params(), config,
                                             list(self.model.parameters()) if self.masters is not None else None)
