@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks, values
+from tolerances import REORDERINGS, farthest, order_bound
 
 pytest.importorskip("transformers", reason="the recipe needs pip install 'hetcomm[hf]'")
 pytest.importorskip("accelerate", reason="the recipe needs pip install 'hetcomm[hf]'")
@@ -37,13 +38,16 @@ def in_recipe(rank, world, args):
     return [p.detach().clone() for p in model.parameters()], batches.split
 
 
-def one_process(args):
+def one_process(args, reorder=None):
+    """SGD on one process, each step on the permutation's next 16 samples (in
+    reorder(indices), if given) as one batch."""
     torch.manual_seed(args.seed)
     model, data = build_model(args.size, args.seq, args.dropout), CausalLMSamples(args.seq)
     optimizer = sgd(model.parameters(), args.lr, 0.1)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
     for step in range(args.steps):
-        batch = torch.utils.data.default_collate([data[i] for i in order[16 * step: 16 * step + 16]])
+        indices = order[16 * step: 16 * step + 16]
+        batch = torch.utils.data.default_collate([data[i] for i in (reorder(indices) if reorder else indices)])
         optimizer.zero_grad()
         model(**batch).loss.backward()
         optimizer.step()
@@ -55,6 +59,8 @@ def test_the_recipe_on_an_uneven_split_equals_one_process(tmp_path):
     ranks = values(run_ranks(4, in_recipe, args, tmp_path=tmp_path))
     reference = one_process(args)
     assert all(split == tuple(SPLIT) for _, split in ranks)
-    apart = max((a - b).abs().max().item() for a, b in zip(ranks[0][0], reference))
-    assert apart < 1e-5, apart   # 1.5e-6 on the H200 machine's CPU
+    # Within order_bound: what the one-process run moves by when only the order of its sums
+    # changes (tests/tolerances.py).
+    bound = order_bound(reference, [one_process(args, reorder) for reorder in REORDERINGS])
+    assert farthest(ranks[0][0], reference) <= bound, (farthest(ranks[0][0], reference), bound)
 

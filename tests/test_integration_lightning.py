@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks, values
+from tolerances import REORDERINGS, farthest, order_bound
 
 import work_clock
 from torch import nn
@@ -110,30 +111,34 @@ def split_runs(rank, world):
     return found
 
 
-def union_batches(steps):
+def union_batches(steps, reorder=None):
     """Plain PyTorch on one process: each step the permutation's next 16 samples (as
-    hetcomm deals them), their mean loss over all their tokens."""
+    hetcomm deals them; in reorder(indices), if given), their mean loss over all their
+    tokens."""
     net, data = network(), samples()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
     for step in range(steps):
-        batch = torch.utils.data.default_collate([data[i] for i in order[16 * step: 16 * step + 16]])
+        indices = order[16 * step: 16 * step + 16]
+        batch = torch.utils.data.default_collate([data[i] for i in (reorder(indices) if reorder else indices)])
         optimizer.zero_grad()
         mean_loss(net, batch).backward()
         optimizer.step()
     return [p.detach().clone() for p in net.parameters()]
 
 
-def farthest(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+def union_bound(steps):
+    """How far a run of union_batches(steps) may land from it: order_bound of the same
+    run on its batches in REORDERINGS (tests/tolerances.py)."""
+    return order_bound(union_batches(steps), [union_batches(steps, reorder) for reorder in REORDERINGS])
 
 
 def test_uneven_split_equals_the_union_batch_mean_over_tokens(tmp_path):
     ranks = values(run_ranks(4, split_runs, tmp_path=tmp_path))
-    reference = union_batches(4)
+    reference, bound = union_batches(4), union_bound(4)
     for run in range(2):
         assert farthest(ranks[0][run][0], ranks[3][run][0]) == 0
-        assert farthest(ranks[0][run][0], reference) < 1e-6, farthest(ranks[0][run][0], reference)
+        assert farthest(ranks[0][run][0], reference) <= bound, (farthest(ranks[0][run][0], reference), bound)
     served = [rank[0][1] for rank in ranks]
     assert [len(s) for s in served] == [4 * b for b in SPLIT]
     assert sorted(i for s in served for i in s) == list(range(SAMPLES))
@@ -151,7 +156,7 @@ def test_equal_weighting_of_the_ranks_means_is_not_the_reference():
         loss = sum(b / 16 * mean_loss(net, {k: v[s: s + b] for k, v in batch.items()}) for s, b in zip(starts, SPLIT))
         loss.backward()
         optimizer.step()
-    assert farthest([p.detach() for p in net.parameters()], union_batches(4)) > 1e-3
+    assert farthest([p.detach() for p in net.parameters()], union_batches(4)) > 100 * union_bound(4)
 
 
 def resume_and_throttle(rank, world, out):
@@ -189,7 +194,9 @@ def test_resume_goes_on_with_the_same_samples_and_split(resumed):
     for rank, (_, _, split, _, served, served_after) in enumerate(ranks):
         assert served == served_after and len(served) == 3 * split[rank]
     straight, resumed, split, split_after, _, _ = ranks[0]
-    assert farthest(straight, resumed) < 1e-6
+    # The restart reorders some of the all-reduce's sums of 3 steps; the union batches
+    # reordered over 4 steps bound that (tests/tolerances.py).
+    assert farthest(straight, resumed) <= union_bound(4)
     # 16 by throughputs 4:4:4:1 (rank 3 at 4 ms a sample, the others at 1 ms)
     assert split == split_after == (5, 5, 5, 1), split
 

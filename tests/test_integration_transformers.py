@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks, values
+from tolerances import REORDERINGS, farthest, order_bound
 
 import work_clock
 
@@ -124,13 +125,16 @@ def balanced_runs(rank, world, out, runs):
     return found
 
 
-def in_hetcomm_order(model, args):
+def in_hetcomm_order(model, args, reorder=None):
     """A stock Trainer on one process drawing the samples in the order hetcomm deals
     them (the epoch's permutation, seed 0), each step's global batch in one micro-batch
-    when per_device_train_batch_size is the global batch."""
+    when per_device_train_batch_size is the global batch; with reorder, each step's 16
+    samples in reorder(indices)."""
     from transformers import Trainer
 
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+    if reorder is not None:
+        order = [i for step in range(0, SAMPLES, 16) for i in reorder(order[step:step + 16])]
 
     class InOrder(Trainer):
         def _get_train_sampler(self, dataset=None):
@@ -141,19 +145,20 @@ def in_hetcomm_order(model, args):
 
 def one_process(rank, world, out, steps):
     """The stock Trainer on one process on the union batches: for the model whose loss
-    divides by num_items_in_batch (which Trainer counts), and for a mean loss."""
+    divides by num_items_in_batch (which Trainer counts), and for a mean loss; each with
+    how far a run of it may land (tests/tolerances.py: order_bound of the same run on
+    its batches in REORDERINGS), under "<kind> bound"."""
     torch.distributed.destroy_process_group()
     trained = {}
     for kind in ("uses", "plain"):
-        trainer = in_hetcomm_order(build(kind), arguments(f"{out}/{kind}", 16, steps))
-        trainer.train()
-        trained[kind] = weights(trainer.model)
-    trained["ignores"] = trained["plain"]
+        runs = []
+        for k, reorder in enumerate((None, *REORDERINGS)):
+            trainer = in_hetcomm_order(build(kind), arguments(f"{out}/{kind}-{k}", 16, steps), reorder)
+            trainer.train()
+            runs.append(weights(trainer.model))
+        trained[kind], trained[f"{kind} bound"] = runs[0], order_bound(runs[0], runs[1:])
+    trained["ignores"], trained["ignores bound"] = trained["plain"], trained["plain bound"]
     return trained
-
-
-def farthest(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +178,10 @@ def test_uneven_split_equals_one_process_trainer_in_both_loss_modes(tmp_path, re
     for r, (kind, _) in enumerate(runs[:-1]):
         trained = [rank[r][0] for rank in ranks]
         assert farthest(trained[0], trained[3]) == 0, "the ranks' weights differ"
-        assert farthest(trained[0], reference[kind]) < 1e-6, (runs[r], farthest(trained[0], reference[kind]))
+        bound = reference[f"{kind} bound"]
+        assert farthest(trained[0], reference[kind]) <= bound, (runs[r], farthest(trained[0], reference[kind]), bound)
     assert [ranks[0][r][1] for r in range(len(runs))] == [True, True, False, False, None, None]  # "plain": no probe
-    assert farthest(ranks[0][-1][0], reference["plain"]) > 1e-3
+    assert farthest(ranks[0][-1][0], reference["plain"]) > 100 * reference["plain bound"]
     served = [rank[0][2] for rank in ranks]
     assert [len(s) for s in served] == [4 * b for b in SPLIT]
     assert sorted(i for s in served for i in s) == list(range(SAMPLES))
