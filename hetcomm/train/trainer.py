@@ -205,6 +205,7 @@ class Trainer:
         self.phases: list[Phase] = []
         if config.resume:
             self._resume(config.resume)
+        self._check_same_start()
         ranks = self._describe_ranks()
         self.log = None
         if rank == 0:
@@ -478,6 +479,23 @@ class Trainer:
             self._resume_shard(Path(path).parent, state)
         self.loop.load_state_dict(state["loop"], data_changed=self.config.data_changed)
         self.phases = [Phase(name, list(seconds)) for name, seconds in state["phases"]]
+
+    def _check_same_start(self) -> None:
+        """Raises CheckpointError on every rank, before anything is written, unless every
+        rank starts at the same step. Each rank resumes from the newest checkpoint in its
+        own --out: on machines that do not share that directory, a node that found none
+        started over while the others resumed, and the ranks trained on, diverged."""
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, (self.step, os.environ.get("GROUP_RANK")))   # torchrun's node rank
+        starts = sorted({step for step, _ in everyone})
+        if len(starts) > 1:
+            nodes = [node for _, node in everyone]
+            words = [describe_by_node([r for r, (s, _) in enumerate(everyone) if s == step], nodes) + f" at step {step}"
+                     for step in starts]
+            raise checkpoint.CheckpointError(
+                f"the ranks start at different steps ({'; '.join(words)}): each resumes from the newest checkpoint in "
+                f"its own --out {self.config.out}; every node must see the same --out (a shared filesystem), or be "
+                f"given --resume with a copy of the same checkpoint")
 
     def _resume_shard(self, directory: Path, state: dict) -> None:
         """This rank's range of the optimizer state, read from the ranges the checkpoint's
