@@ -163,3 +163,9 @@ def fp32_squares_run(backend: str, device: str = "cpu") -> int:
 
         return configs.default_config(torch.device(device)).kwargs["BLOCK"]
     return 8
+
+
+def weighted_excess(got, terms, weights, rtol: float, floor: float = 0.0) -> float:
+    """excess() of `got` over sum_i w_i t_i with rtol times sum_i |w_i t_i| plus floor."""
+    expected, magnitude = weighted_sum(terms, weights)
+    return excess(got, expected, rtol * magnitude + floor)
