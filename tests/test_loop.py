@@ -1,25 +1,31 @@
 """hetcomm.loop.BalancedLoop in a user's own loop, on Gloo ranks (CPU): any split trains
 exactly as one process on the whole global batch, weighted by the items each loss is
-over; a resumed loop continues bit for bit; a throttled rank is rebalanced; bad use
-is refused with one clear message on every rank."""
+over; a resumed loop continues bit for bit; a throttled rank is rebalanced, to the split
+the solver gives for the costs the work clock charges (tests/work_clock.py); bad use is
+refused with one clear message on every rank."""
 
 import copy
 import math
-import time
 from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+import work_clock
 from distributed import run_ranks, values
 from torch import nn
 
-from hetcomm.balance import WeightedDistributedSampler, handoff
+from hetcomm.balance import WeightedDistributedSampler, handoff, solve_split
 from hetcomm.loop import BalancedLoop
 from hetcomm.loop.batches import micro_batches
-from hetcomm.simulated import SimulatedSpeed, Slowdown
 
 SAMPLES, LENGTH, VOCAB, GLOBAL_BATCH, SEED = 96, 8, 16, 16, 3
+# On the work clock (tests/work_clock.py) a sample costs COST seconds, FORWARD_PART of it
+# at its forward and the rest at its backward, so that the splits a test asserts follow
+# from the solver's math instead of a busy host's wall clock.
+COST, FORWARD_PART = 2.0 ** -6, 0.25
+THROTTLE_STEP = 6
 
 
 class MaskedTokens(torch.utils.data.Dataset):
@@ -56,10 +62,16 @@ def masked_loss(model, batch, reduction="mean"):
     return F.cross_entropy(logits, batch["targets"][batch["mask"]], reduction=reduction), batch["mask"].sum()
 
 
-def train_in_loop(rank, world, steps, options, stop_after=None, state=None):
+def train_in_loop(rank, world, steps, options, stop_after=None, state=None, cost=None):
     """`steps` SGD steps in a BalancedLoop; returns every step's loss and the weights
-    (and, stopping early, everything a checkpoint holds)."""
+    (and, stopping early, everything a checkpoint holds). With `cost`, the steps are timed
+    by the work clock, a sample of micro-batch `part` of a step costing cost(rank, step,
+    part) seconds."""
     model = TinyTagger()
+    clock = None
+    if cost is not None:
+        clock = work_clock.install(COST)
+        clock.count_passes(model, FORWARD_PART)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED,
                         **{"wire_dtype": torch.float32, **options})
@@ -72,7 +84,9 @@ def train_in_loop(rank, world, steps, options, stop_after=None, state=None):
         loop.load_state_dict(state["loop"])
     losses, splits = [], []
     for step in loop.steps(steps):
-        for batch in step:
+        for part, batch in enumerate(step):
+            if clock is not None:
+                clock.seconds_per_sample = cost(rank, step.number, part)
             loss, count = masked_loss(model, batch)
             step.backward(loss, count=count)
         result = step.reduce()
@@ -172,39 +186,43 @@ def test_a_resumed_loop_continues_bit_for_bit(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
 
 
-def train_throttled(rank, world, throttle_step):
-    """Dynamic balancing at equal simulated speeds until rank 1 slows to a tenth."""
-    speed = SimulatedSpeed(rank, 0.05, (Slowdown(1, throttle_step, 0.1),))
-    return train_in_loop(rank, world, throttle_step + 3, {"simulated_speed": speed})
+def throttled(factor, rank, step, part):
+    """COST a sample, rank 1's divided by `factor` (its speed) from THROTTLE_STEP on."""
+    return COST / factor if rank == 1 and step >= THROTTLE_STEP else COST
 
 
 def test_a_throttled_rank_is_rebalanced_and_the_gradient_stays_exact(tmp_path):
-    losses, weights, splits = values(run_ranks(2, train_throttled, 6, tmp_path=tmp_path))[0]
-    assert all(sum(done) == GLOBAL_BATCH for done in splits)
-    # The handoff within step 6, then the rebalancer: a tenth of the speed earns about
-    # 16 / 11 samples. Compared with that, not with the split before the throttle, which
-    # wall-clock noise on a loaded machine moves (it was 14/2 once, with 2 tests at a time).
-    assert splits[-1][1] <= GLOBAL_BATCH // 8
+    # Equal ranks until rank 1 slows to a tenth at step 6. Step 6 hands its share off: its
+    # forward of all 8 samples takes 8 x 0.25 x 10 COST = 20 COST, which at the forward's
+    # learned quarter of the compute predicts 80 COST, past 1.5x the planned 8; each of its
+    # 8 samples then ends sooner on rank 0 (8 + k COST) than on rank 1 after that forward
+    # (20 + 10 COST), so rank 0 does all 16 and rank 1 drops its forward. The rebalancer
+    # takes the throttle from the giver's prediction on trial and the split follows at
+    # once to the best for the new speeds, which step 7 confirms.
+    losses, weights, splits = values(run_ranks(2, train_in_loop, THROTTLE_STEP + 3, {}, None, None,
+                                               partial(throttled, 0.1), tmp_path=tmp_path))[0]
+    best = solve_split(GLOBAL_BATCH, [(0.0, COST), (0.0, COST / 0.1)]).sizes
+    assert best == (15, 1)
+    assert splits == [[8, 8]] * THROTTLE_STEP + [[16, 0]] + [list(best)] * 2
     expected_losses, expected = one_process(len(losses))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     for got, want in zip(weights, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def train_throttled_in_micro_batches(rank, world, throttle_step):
-    """Shares of 8 in micro-batches of 2 until rank 1 slows to 0.3 of its speed: its first
-    micro-batch's forward already says so, and it keeps a part of its share."""
-    speed = SimulatedSpeed(rank, 0.05, (Slowdown(1, throttle_step, 0.3),))
-    return train_in_loop(rank, world, throttle_step + 2, {"simulated_speed": speed, "memory_caps": [2, 2]})
-
-
 def test_a_giver_in_micro_batches_keeps_part_of_its_share_and_the_gradient_stays_exact(tmp_path):
-    losses, weights, done = values(run_ranks(2, train_throttled_in_micro_batches, 6, tmp_path=tmp_path))[0]
-    assert all(sum(d) == GLOBAL_BATCH for d in done)
-    # Handed off within step 6, the giver keeping part of its share: compared between the
-    # ranks, not with the equal split, which wall-clock noise on a loaded machine can move
-    # before the throttle.
-    assert 0 < done[6][1] < done[6][0]
+    # Shares of 8 in micro-batches of 2 until rank 1 slows to 0.3 of its speed at step 6
+    # (a sample: r = COST / 0.3). Its first micro-batch's forward, 2 x 0.25 r, predicts its
+    # share at 8 r = 26.7 COST, a giver. Its 8 samples go one by one to the rank that ends
+    # each first: rank 1 after that forward (0.5 r) plus r a sample, rank 0 after its own
+    # 8 COST plus COST a sample: rank 1 takes the 1st, 2nd and 6th (5, 8.3, 11.7 COST),
+    # rank 0 the other 5 (9 to 13 COST). Rank 1 keeps 3, more than the micro-batch it
+    # timed, and goes on from it; the rebalancer then moves to the best split, 13/3.
+    losses, weights, done = values(run_ranks(2, train_in_loop, THROTTLE_STEP + 2, {"memory_caps": [2, 2]}, None,
+                                             None, partial(throttled, 0.3), tmp_path=tmp_path))[0]
+    best = solve_split(GLOBAL_BATCH, [(0.0, COST), (0.0, COST / 0.3)]).sizes
+    assert best == (13, 3)
+    assert done == [[8, 8]] * THROTTLE_STEP + [[13, 3], list(best)]
     expected_losses, expected = one_process(len(losses))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     for got, want in zip(weights, expected):
@@ -263,11 +281,12 @@ def test_micro_batches_cut_the_first_run_short_when_asked(size, cap, first, runs
 
 
 def train_recording_micro_batches(rank, world, steps, part):
-    """Dynamic balancing at equal simulated speeds; per step, this rank's dealt share and
-    the sizes of the micro-batches it was given."""
+    """Dynamic balancing at equal speeds on the work clock; per step, this rank's dealt
+    share and the sizes of the micro-batches it was given."""
     model = TinyTagger()
+    work_clock.install(COST).count_passes(model, FORWARD_PART)
     loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
-                        simulated_speed=SimulatedSpeed(rank, 0.05), handoff_report_part=part)
+                        handoff_report_part=part)
     record = []
     for step in loop.steps(steps):
         sizes = []
@@ -281,13 +300,16 @@ def train_recording_micro_batches(rank, world, steps, part):
 
 @pytest.mark.parametrize("part", [0.25, 1.0])
 def test_the_report_comes_after_a_first_micro_batch_of_the_given_part(tmp_path, part):
+    first = math.ceil(part * (GLOBAL_BATCH // 2))
     for record in values(run_ranks(2, train_recording_micro_batches, 7, part, tmp_path=tmp_path)):
-        # Step 0 is timed in parts. Steps 1-3 learn the forward's share of the compute, and
-        # until then the report names no giver and the first micro-batch is the whole share;
-        # from step 4 on, it holds `part` of the share dealt (rounded up). (Samples taken on
-        # from a straggler under load come after it.)
-        assert all(sizes[0] == dealt for dealt, sizes in record[1:4])
-        assert all(sizes[0] == math.ceil(part * dealt) for dealt, sizes in record[4:]), record
+        # Step 0 is timed in parts: a warm-up sample, one sample each, 3 of the half of the
+        # batch left after those, then the rest of the equal split they time. Steps 1-3
+        # learn the forward's share of the compute, and until then the report names no
+        # giver and the first micro-batch is the whole share; from step 4 on, it holds
+        # `part` of the share dealt (rounded up), the rest of the share following it.
+        assert record[0] == (8, [1, 1, 3, 4])
+        assert record[1:4] == [(8, [8])] * 3
+        assert record[4:] == [(8, [first] + [8 - first] * (first < 8))] * 3, record
 
 
 def train_with_two_self_reported_givers(rank, world, steps):
@@ -470,29 +492,42 @@ def test_the_loop_needs_a_process_group():
         BalancedLoop(TinyTagger(), MaskedTokens(), global_batch=GLOBAL_BATCH)
 
 
+def twice_as_fast_in_parts(fast_parts, rank, step, part):
+    """COST a sample, but half of it on rank 1 in the listed parts of step 0 (1: one sample
+    each, 2: the second part, 3: the rest; 0 is the untimed warm-up), as if a neighbour's
+    job that shares its card were paused for a while."""
+    return COST / 2 if rank == 1 and step == 0 and part in fast_parts else COST
+
+
 def first_two_splits(rank, world, fast_parts):
-    """Two steps at equal speeds, each sample taking 8 ms (slept in the loop body, which the
-    loop times as compute), except on rank 1 in the first step's parts listed (1: one sample
-    each, 2: the second part, 3: the rest; 0 is the untimed warm-up): 4 ms, as if a
-    neighbour's job that shares its card were paused for a while. Returns the splits."""
+    """Two steps of a global batch of 64 on the work clock, a sample costing
+    twice_as_fast_in_parts(fast_parts, ...); returns the splits dealt."""
     model = TinyTagger()
+    clock = work_clock.install(COST)
+    clock.count_passes(model, FORWARD_PART)
     loop = BalancedLoop(model, MaskedTokens(), global_batch=64, seed=SEED, wire_dtype=torch.float32)
     splits = []
     for step in loop.steps(2):
         for part, batch in enumerate(step):
-            fast = rank == 1 and step.number == 0 and part in fast_parts
-            time.sleep(len(batch["tokens"]) * (0.004 if fast else 0.008))
+            clock.seconds_per_sample = twice_as_fast_in_parts(fast_parts, rank, step.number, part)
             step.backward(*masked_loss(model, batch))
-        splits.append(step.reduce().split)
+        splits.append(list(step.reduce().split))
     return splits
 
 
 def test_the_split_after_the_first_step_rests_on_both_its_timed_parts(tmp_path):
-    # Rank 1 twice as fast in the second part (15 samples each), so this step gives it 43 of
-    # the 64. At its normal speed in the rest (27 samples, most of the step's time), the
-    # steps after give it 35: its throughput over both parts. Twice as fast in the rest
-    # too, they keep 43.
-    brief, whole = (values(run_ranks(2, first_two_splits, parts, tmp_path=tmp_path / str(len(parts))))[0]
-                    for parts in ((2,), (2, 3)))
-    assert 41 <= brief[0][1] <= 45 and 41 <= whole[0][1] <= 45
-    assert 33 <= brief[1][1] <= 37 and 41 <= whole[1][1] <= 45
+    # A global batch of 64: one sample each, then 15 each (half the batch less those), then
+    # the rest of this step's split. Rank 1 twice as fast in the second part gets the share
+    # its speed there earns (at least the 16 each has done). At its normal speed in the
+    # rest, the steps after give it the share of its throughput over both parts (15 samples
+    # at half the cost, the rest at the whole); twice as fast in the rest too, they keep
+    # this step's.
+    def splits(fast_parts):
+        return values(run_ranks(2, first_two_splits, fast_parts, tmp_path=tmp_path / str(len(fast_parts))))[0]
+
+    first = solve_split(64, [(0.0, COST), (0.0, COST / 2)], min_per_rank=[16, 16]).sizes
+    rest = first[1] - 16
+    after = solve_split(64, [(0.0, COST), (0.0, (15 * COST / 2 + rest * COST) / (15 + rest))]).sizes
+    assert first == (21, 43) and after == (29, 35)
+    assert splits((2,)) == [list(first), list(after)]
+    assert splits((2, 3)) == [list(first), list(first)]

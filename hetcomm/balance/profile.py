@@ -79,6 +79,17 @@ def fit_step_time(samples: Iterable[tuple[int, float]]) -> StepTimeProfile:
     return StepTimeProfile(fixed, per_sample)
 
 
+class TimedSteps:
+    """What a training step's compute is timed by, one place for BalancedLoop and the
+    integrations' BalancedBatches (which derive from it): `clock`, the host's performance
+    counter by default, read after wait_for_compute on a GPU. A test may put a clock of
+    its own here, or on one of those classes (tests/work_clock.py: one that advances with
+    the samples a rank's passes take at the rank's cost per sample), so that the split it
+    checks does not depend on how busy a shared machine is."""
+
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+
+
 def wait_for_compute(device: torch.device | None) -> None:
     """Waits until `device` has run the work queued so far on its current stream, so
     that the host's clock read next holds the compute (kernels run behind the host);

@@ -6,15 +6,15 @@ the integrations call step_started / compute_done / step_finished around each st
 
 import logging
 import math
-import time
 from itertools import accumulate
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split, solve_split,
                              wait_for_compute)
+from hetcomm.balance.profile import TimedSteps
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm.collectives import gather_floats
 from hetcomm.integrations.settings import check_settings
@@ -31,7 +31,7 @@ if not logger.handlers:
     logger.propagate = False
 
 
-class BalancedBatches:
+class BalancedBatches(TimedSteps):
     """A DataLoader's batch_sampler: yields this rank's micro-batches (lists of dataset
     indices), `accumulation` of them for every optimizer step on every rank, their
     sizes adding up to the rank's share of the step.
@@ -56,13 +56,9 @@ class BalancedBatches:
         rebalance_threshold: adopt a new split only for this much less predicted time.
 
     Every argument is checked here (TypeError, ValueError naming it): see
-    hetcomm.integrations.settings.
+    hetcomm.integrations.settings. A step's compute is timed by BalancedBatches.clock,
+    which BalancedLoop shares (hetcomm.balance.profile.TimedSteps).
     """
-
-    # What a step's compute is timed by. A test may put a clock of its own here (one that
-    # advances with the work a rank does) so that the split it checks does not depend on
-    # how busy a shared machine is.
-    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, dataset_size: int, global_batch: int, *, accumulation: int = 1, balance: str = "dynamic",
                  split: Sequence[int] | None = None, max_micro_batch: int | Sequence[int] | None = None,

@@ -15,6 +15,7 @@ from hetcomm.amp import AUTOCAST_DTYPES, PRECISIONS, DynamicLossScaler
 from hetcomm.balance import (DistributedRebalancer, Rebalancer, WeightedDistributedSampler, equal_split,
                              probe_memory, solve_split)
 from hetcomm.balance.handoff import ForwardShare
+from hetcomm.balance.profile import TimedSteps
 from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import control_device, gather_floats
@@ -29,7 +30,7 @@ from hetcomm.shard.spec import Shard, agree_layout, probe_state_memory
 BALANCE = ("dynamic", "static", "equal")
 
 
-class BalancedLoop:
+class BalancedLoop(TimedSteps):
     """Balanced data-parallel training of `model` on `dataset`, one optimizer step at a
     time (steps()), across the ranks of the default process group.
 
@@ -37,6 +38,9 @@ class BalancedLoop:
     model must hold the same weights on every rank (checked). Each step deals
     `global_batch` samples of one permutation of the dataset per epoch (nothing dropped
     or repeated; an epoch's leftover forms a smaller last step) by the current split.
+    A rank's compute is timed by BalancedLoop.clock, which the integrations'
+    BalancedBatches shares (hetcomm.balance.profile.TimedSteps): the host's clock, read
+    after the device's compute stream is done.
 
     Args:
         model: any nn.Module; its parameters that require grad are reduced.

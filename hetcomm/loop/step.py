@@ -153,7 +153,9 @@ class LoopStep:
         simulated speed when timed. A giver's handoff (see _report_forward) may end it
         after its first micro-batch. `final`: whether the run ends the step (self._last)."""
         loop = self.loop
-        start = time.perf_counter()
+        # The loop's clock (TimedSteps.clock) times the compute that splits are decided from;
+        # the first step's waits and the reduction are the host's seconds.
+        start = loop.clock()
         done = 0
         with loop.compute_context(self.number) if timed else nullcontext() as settle:
             self._started, self._settle = start, settle or no_stretch
@@ -177,7 +179,7 @@ class LoopStep:
             finally:
                 loop.settle_now = no_stretch
                 self._last = False
-        seconds = time.perf_counter() - start
+        seconds = loop.clock() - start
         if timed:
             self.compute += seconds
             self.samples += done
@@ -301,7 +303,7 @@ class LoopStep:
         mine = self._reporting
         self._settle()
         self._device_done()
-        mine.first, mine.forward_seconds = self._awaiting, time.perf_counter() - self._started
+        mine.first, mine.forward_seconds = self._awaiting, self.loop.clock() - self._started
         self._post_report(handoff.report(mine.first, mine.forward_seconds, mine.own,
                                          self.loop.forward_share.value(), mine.model_rate, mine.planned_rank,
                                          mine.planned_step))
