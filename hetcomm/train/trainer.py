@@ -484,7 +484,9 @@ class Trainer:
         """Raises CheckpointError on every rank, before anything is written, unless every
         rank starts at the same step. Each rank resumes from the newest checkpoint in its
         own --out: on machines that do not share that directory, a node that found none
-        started over while the others resumed, and the ranks trained on, diverged."""
+        started over while the others resumed; the ranks trained apart (other weights, one
+        reduced gradient) until their step counts parted, then failed with a timeout that
+        named neither the cause nor the node."""
         everyone = [None] * self.world
         dist.all_gather_object(everyone, (self.step, os.environ.get("GROUP_RANK")))   # torchrun's node rank
         starts = sorted({step for step, _ in everyone})
