@@ -1,11 +1,13 @@
 """adamw_: the fused AdamW step of fp32 masters, bit-exact with hetcomm.reference.adamw_
 (one fp32 rounding per operation) on every back end that has it (the CPU kernel, the
 CUDA kernel on a GPU and on the emulated sm_61/75/80 GPUs), and torch.optim.AdamW's
-update within fp32 rounding. test_build reruns the cpu cases on the scalar loops."""
+update within both sides' fp32 roundings (tolerances.AdamWDrift). test_build reruns the
+cpu cases on the scalar loops."""
 
 import pytest
 import torch
 from conftest import FLOAT_DTYPES, NATIVE_DEVICES, ODD_SIZES, assert_same_bits, make_tensors, scalar
+from tolerances import AdamWDrift, excess
 
 import hetcomm
 from hetcomm import reference
@@ -104,28 +106,58 @@ def test_an_overflow_writes_nothing(device):
         assert_same_bits(got, want)
 
 
-def test_adamw_is_torch_adamw_within_fp32_rounding_cpu():
-    """torch.optim.AdamW(foreach=False), 50 steps from zero moments, groups with and
-    without weight decay: the same update, to a few ulps (rounding order differs)."""
+def torch_state(optimizer, p):
+    state = optimizer.state[p]
+    return state.get("exp_avg"), state.get("exp_avg_sq")
+
+
+def fifty_steps(decays, lr=1e-2):
+    """hetcomm.adamw_ and torch.optim.AdamW(foreach=False) fed the same 50 gradients, from
+    zero moments, with weight decay decays[k] on parameter k: both sides' parameters and
+    moments, and the AdamWDrift bound on how far they may be apart (from torch's state
+    before each step, at the decays torch uses, 0.1 and 0)."""
     shapes = [(64, 32), (32,), (5, 7)]
     params = make_tensors(shapes, torch.float32, "cpu")
     mine = [p.clone() for p in params]
     avg, sq = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     theirs = [torch.nn.Parameter(p.clone()) for p in params]
+    torch_decays = (0.1, 0.1, 0.0)
     torch_adamw = torch.optim.AdamW([{"params": theirs[:2], "weight_decay": 0.1},
                                      {"params": theirs[2:], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95),
                                     eps=1e-8, foreach=False)
+    drift = AdamWDrift(params)
     generator = torch.Generator().manual_seed(5)
     for step in range(1, 51):
         grads = [torch.randn(s, generator=generator) for s in shapes]
-        for p, g in zip(theirs, grads):
+        for k, (p, g) in enumerate(zip(theirs, grads)):
             p.grad = g.clone()
+            drift.step(k, p, *torch_state(torch_adamw, p), g, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8,
+                       weight_decay=torch_decays[k], step=step)
         torch_adamw.step()
-        for part, decay in ((slice(0, 2), 0.1), (slice(2, 3), 0.0)):
-            hetcomm.adamw_(grads[part], mine[part], avg[part], sq[part], step=scalar(float(step)), lr=1e-2,
-                           beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=decay)
-    for got, want in zip(mine, theirs):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        for k, decay in enumerate(decays):
+            hetcomm.adamw_(grads[k:k + 1], mine[k:k + 1], avg[k:k + 1], sq[k:k + 1], step=scalar(float(step)),
+                           lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=decay)
+    return (mine, avg, sq), ([p.detach() for p in theirs], *zip(*(torch_state(torch_adamw, p) for p in theirs))), drift
+
+
+def test_adamw_is_torch_adamw_within_fp32_rounding_cpu():
+    """torch.optim.AdamW(foreach=False), 50 steps from zero moments, groups with and
+    without weight decay: the same update, within both sides' roundings carried through
+    the steps (tolerances.AdamWDrift)."""
+    (params, avg, sq), (their_params, their_avg, their_sq), drift = fifty_steps((0.1, 0.1, 0.0))
+    for k in range(3):
+        assert excess(params[k], their_params[k], drift.param[k]) <= 1
+        assert excess(avg[k], their_avg[k], drift.exp_avg[k]) <= 1
+        assert excess(sq[k], their_sq[k], drift.exp_avg_sq[k]) <= 1
+
+
+def test_the_bound_on_torch_adamw_separates_a_wrong_step_cpu():
+    """A learning rate a thousandth off, or weight decay on the group without it, lands
+    outside the bound."""
+    (params, _, _), (their_params, _, _), drift = fifty_steps((0.1, 0.1, 0.0), lr=1e-2 * (1 + 1e-3))
+    assert max(excess(params[k], their_params[k], drift.param[k]) for k in range(3)) > 10
+    (params, _, _), (their_params, _, _), drift = fifty_steps((0.1, 0.1, 0.1))
+    assert excess(params[2], their_params[2], drift.param[2]) > 10
 
 
 @pytest.mark.parametrize("device", NATIVE_DEVICES, indirect=True)

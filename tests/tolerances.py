@@ -169,3 +169,52 @@ def weighted_excess(got, terms, weights, rtol: float, floor: float = 0.0) -> flo
     """excess() of `got` over sum_i w_i t_i with rtol times sum_i |w_i t_i| plus floor."""
     expected, magnitude = weighted_sum(terms, weights)
     return excess(got, expected, rtol * magnitude + floor)
+
+
+class AdamWDrift:
+    """How far two fp32 AdamW implementations fed the same gradients may drift apart,
+    per element, step after step: a running error bound (Higham 3.3), to first order.
+
+    Per step and side, the roundings on each path, counted from hetcomm.reference.adamw_
+    and torch's single-tensor AdamW (its fused step counts no more):
+      exp_avg     m + (g - m)(1 - b1): the gradient's scaling, the difference, the
+                  constant, the product, the sum: 5, relative to |m| + (1 - b1)(|g| + |m|).
+      exp_avg_sq  v b2 + g g (1 - b2): the scaling (twice, squared), the square, the
+                  constant, the product, the sum: 6, relative to the new v (no term is
+                  negative).
+      param       p (1 - lr wd): the constant, the product, the sum: 3, relative to its
+                  value; the step T = -lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps): the root
+                  (one ulp, 2), the constant and the division, eps and the sum, the
+                  division, the constant, the product, the sum: 10, relative to |T|.
+    What the two sides already differ by carries on: the moments' by b1 and b2, the
+    parameter's by 1 - lr wd, and into T through its derivatives in m and v. Magnitudes
+    are taken from the side whose state is given (the other is within the bound of it)."""
+
+    ROUNDINGS = {"exp_avg": 5, "exp_avg_sq": 6, "decayed": 3, "step": 10}
+
+    def __init__(self, params):
+        self.param = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+        self.exp_avg = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+        self.exp_avg_sq = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+
+    def step(self, index, param, exp_avg, exp_avg_sq, grad, *, lr, beta1, beta2, eps, weight_decay, step):
+        """Accounts for the step `step` (1 for the first) of parameter `index`, given its
+        param, moments (None before the first step) and gradient before the step."""
+        pair = {name: gamma(2 * count) for name, count in self.ROUNDINGS.items()}
+        p, g = param.detach().double().cpu(), grad.double().cpu()
+        m = torch.zeros_like(p) if exp_avg is None else exp_avg.double().cpu()
+        v = torch.zeros_like(p) if exp_avg_sq is None else exp_avg_sq.double().cpu()
+        new_m, new_v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        self.exp_avg[index] = beta1 * self.exp_avg[index] + pair["exp_avg"] * (m.abs() + (1 - beta1) * (
+            g.abs() + m.abs()))
+        self.exp_avg_sq[index] = beta2 * self.exp_avg_sq[index] + pair["exp_avg_sq"] * new_v
+        root = new_v.sqrt() / (1 - beta2 ** step) ** 0.5
+        denom = root + eps
+        step_size = lr / (1 - beta1 ** step)
+        update = (step_size * new_m / denom).abs()
+        by_m = step_size / denom
+        by_v = torch.where(new_v > 0, update * root / (2 * new_v.clamp_min(torch.finfo(torch.float64).tiny) * denom),
+                           0.0)
+        decay = 1 - lr * weight_decay
+        self.param[index] = (decay * self.param[index] + pair["decayed"] * (decay * p).abs() + pair["step"] * update
+                             + by_m * self.exp_avg[index] + by_v * self.exp_avg_sq[index])
