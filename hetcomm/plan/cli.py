@@ -9,7 +9,8 @@ import time
 from hetcomm.plan.calibrate import RunProfile, load_run_profile
 from hetcomm.plan.catalog import Catalog, load_catalog
 from hetcomm.plan.cluster import parse_cluster
-from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, GELUS, PRESETS, parse_model
+from hetcomm.plan.hf_config import MODEL_TYPES, resolve_model
+from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, GELUS, PRESETS
 from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
 from hetcomm.plan.precision import parse_precision
 from hetcomm.plan.report import largest_lines, plan_dict, plan_text, simulation_dict, simulation_text
@@ -38,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--devices", action="append", default=[], metavar="FILE",
                       help="a CSV of more GPUs or links (same columns as the built-in ones); repeatable")
     job = p.add_argument_group("the job")
-    job.add_argument("--model", help=f"{', '.join(PRESETS)}, or layers=L,heads=H,dim=D[,vocab=V] "
+    job.add_argument("--model", help=f"{', '.join(PRESETS)}; layers=L,heads=H,dim=D[,vocab=V]; or a Hugging Face "
+                                     f"config.json (or its directory) of a {', '.join(MODEL_TYPES)} model "
                                      f"(default {DEFAULTS['model']})")
     job.add_argument("--global-batch", type=int,
                      help=f"sequences per optimizer step (default {DEFAULTS['global_batch']})")
@@ -113,10 +115,13 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
         raise ValueError("nothing to plan: give --cluster (e.g. --cluster \"2x1080ti,1xv100,4xt4\") or --profile "
                          "RUN_DIR; --list-devices shows the known cards")
     from_run = profile is not None and args.cluster is None
-    model = parse_model(args.model) if args.model else (profile.model if from_run else parse_model(DEFAULTS["model"]))
+    model = resolve_model(args.model) if args.model else (profile.model if from_run
+                                                           else resolve_model(DEFAULTS["model"]))
     seq = args.seq or (profile.seq if from_run else BERT_POSITIONS if model.kind == "bert" else DEFAULTS["seq"])
-    if model.kind == "bert" and seq > BERT_POSITIONS:
-        raise ValueError(f"--seq {seq}: {model.name} has position embeddings for {BERT_POSITIONS} tokens")
+    if model.max_seq is not None and seq > model.max_seq:
+        held = "rotary positions up to max_position_embeddings =" if model.kind == "llama" else \
+            "position embeddings for"
+        raise ValueError(f"--seq {seq}: {model.name} has {held} {model.max_seq} tokens")
     global_batch = args.global_batch or (profile.global_batch if from_run else DEFAULTS["global_batch"])
     measured = profile.link if from_run else None
     in_node = catalog.link(args.intra) if args.intra else (measured or catalog.link(DEFAULTS["intra"]))
@@ -178,7 +183,7 @@ def _what_fits(args, error: Exception) -> str:
         return ""
     try:
         catalog = load_catalog(args.devices)
-        shape = parse_model(args.model or DEFAULTS["model"])
+        shape = resolve_model(args.model or DEFAULTS["model"])
         seq = args.seq or (BERT_POSITIONS if shape.kind == "bert" else DEFAULTS["seq"])
         largest = largest_models(args, catalog, seq, args.global_batch or DEFAULTS["global_batch"])
     except ValueError:

@@ -6,7 +6,8 @@ tokens, and a task head: "mlm", pre-training's masked-LM head on MLM_FRACTION of
 tokens plus next-sentence prediction, or "qa", SQuAD's two-logit span head).
 
 The counts are per sample of `seq` tokens:
-- parameters: V·h (tied token embedding and head) + seq·h (positions)
+- parameters: V·h (tied token embedding and head) + seq·h (positions; a Hugging Face
+  GPT-2's table has n_positions rows whatever the sequence)
   + L·(12h² + 13h) + 2h (final norm);
 - FLOPs of forward + backward: 6 per parameter that multiplies (every parameter but
   the position table) per token, plus attention's score and value products,
@@ -69,6 +70,9 @@ class ModelShape:
     vocab_size: int
     kind: str = "gpt"   # "gpt" (hetcomm.train's model) or "bert"
     head: str = "lm"    # gpt: "lm"; bert: "mlm" or "qa"
+    # gpt: rows of the position table when fixed (a Hugging Face GPT-2's n_positions);
+    # None for hetcomm.train's GPT, whose table has one row per token of --seq.
+    positions: int | None = None
 
     def __post_init__(self):
         for field_name in ("n_layer", "n_head", "n_embd", "vocab_size"):
@@ -77,14 +81,26 @@ class ModelShape:
                 raise ValueError(f"model {self.name!r}: {field_name} = {value!r}; expected a positive integer")
         if self.n_embd % self.n_head:
             raise ValueError(f"model {self.name!r}: dim = {self.n_embd} is not a multiple of heads = {self.n_head}")
+        if self.positions is not None and (self.kind != "gpt" or isinstance(self.positions, bool)
+                                           or not isinstance(self.positions, int) or self.positions < 1):
+            raise ValueError(f"model {self.name!r}: positions = {self.positions!r}; expected a positive integer, "
+                             f"for a GPT model")
         if (self.kind, self.head) not in (("gpt", "lm"), ("bert", "mlm"), ("bert", "qa")):
             raise ValueError(f"model {self.name!r}: kind {self.kind!r} with head {self.head!r}; expected gpt with lm, "
                              f"or bert with mlm or qa")
 
+    @property
+    def max_seq(self) -> int | None:
+        """The longest sequence the position table holds; None: no limit."""
+        return BERT_POSITIONS if self.kind == "bert" else self.positions
+
+    def _position_rows(self, seq: int) -> int:
+        return seq if self.positions is None else self.positions
+
     def parameters(self, seq: int) -> int:
         h, layers = self.n_embd, self.n_layer * (12 * self.n_embd**2 + 13 * self.n_embd)
         if self.kind == "gpt":
-            return self.vocab_size * h + seq * h + layers + 2 * h
+            return self.vocab_size * h + self._position_rows(seq) * h + layers + 2 * h
         embeddings = (self.vocab_size + BERT_POSITIONS + BERT_TOKEN_TYPES) * h + 2 * h
         pooler = h * h + h
         head = (h * h + 3 * h + self.vocab_size + 2 * h + 2) if self.head == "mlm" else 2 * h + 2
@@ -107,7 +123,7 @@ class ModelShape:
         attention's score and value products."""
         h = self.n_embd
         if self.kind == "gpt":
-            multiplying = self.parameters(seq) - seq * h
+            multiplying = self.parameters(seq) - self._position_rows(seq) * h
         else:
             multiplying = self.n_layer * (12 * h * h + 13 * h) + self._head_tokens() * (self.vocab_size + h) * h
         per_token = 6 * multiplying + 12 * self.n_layer * h * seq
