@@ -149,8 +149,8 @@ def gone_within(job: Job, limit: float) -> float:
     return time.monotonic() - start
 
 
-def lose_node_1(work: Path, out: Path, workers: bool) -> Job:
-    """The 2-rank run on two agents, node 1 killed after 3 logged steps (its agent's
+def lose_node(work: Path, out: Path, node: int, workers: bool) -> Job:
+    """The 2-rank run on two agents, `node` killed after 3 logged steps (its agent's
     process group; with `workers`, its workers too: the machine lost)."""
     job = train(work, out, 2, 1, TRAIN)
     try:
@@ -159,7 +159,7 @@ def lose_node_1(work: Path, out: Path, workers: bool) -> Job:
             assert all(agent.poll() is None for agent in job.agents), job.output()
             assert time.monotonic() < deadline, f"no 3 steps logged in 300 s:\n{job.output()}"
             time.sleep(0.1)
-        job.kill_node(1, workers=workers)
+        job.kill_node(node, workers=workers)
         # The liveness bound the issue sets: the timeout, plus 3 s to end.
         gone_within(job, TIMEOUT_S + 3)
     finally:
@@ -172,7 +172,7 @@ def machine_lost(work) -> tuple[Path, Job, Path]:
     """--out of the run whose node 1 was lost, its job, and a copy of that --out taken
     before anything resumed there."""
     out = work / "machine-lost"
-    job = lose_node_1(work, out, workers=True)
+    job = lose_node(work, out, 1, workers=True)
     shutil.copytree(out, work / "machine-lost-copy")
     return out, job, work / "machine-lost-copy"
 
@@ -187,12 +187,21 @@ def test_a_lost_machine_stops_the_other_within_the_timeout_naming_its_ranks(mach
     assert 3 <= len(logged(out)) < STEPS
 
 
+def test_a_lost_rendezvous_host_is_said_by_the_other_machine(work):
+    """Node 0's machine serves the job's store: lost with it, the ranks cannot be told."""
+    job = lose_node(work, work / "host-lost", 0, workers=True)
+    assert job.agents[0].returncode == -signal.SIGKILL and job.agents[1].returncode == 1, job.output()
+    named = [line for line in job.output(1).splitlines() if line.startswith("hetcomm train: error: rank ")]
+    assert named and all("Not answering after it: the job's store (the rendezvous endpoint's node)." in line
+                         for line in named), named
+
+
 def test_a_killed_agent_stops_every_rank_within_the_timeout_naming_its_node(work):
     """Its agent's process group SIGKILLed, node 1's workers live on: the parent-death
     SIGTERM stops every rank after one step with a checkpoint, and the job fails by name
     (without it, node 0's agent waited for the dead one at its exit barrier for 300 s)."""
     out = work / "agent-killed"
-    job = lose_node_1(work, out, workers=False)
+    job = lose_node(work, out, 1, workers=False)
     assert job.agents[0].returncode == 1, job.output()
     named = [line for line in job.output().splitlines() if line.startswith("hetcomm train: error: rank ")]
     assert {line.split(":")[2].strip() for line in named} == {"rank 0", "rank 1"}, named
