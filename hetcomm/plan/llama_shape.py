@@ -51,7 +51,10 @@ rather than of what autograd keeps — the logits the model returns, in the head
 alive through backward when the caller holds the output (as the Trainer does). Not
 modelled: eager attention (seq×seq scores) and a padding mask (then transformers
 repeats K and V to the query's width before SDPA: 2(q − c) elements more per layer); a
-sliding window (Mistral v0.1's 4096) is costed as full attention, an upper bound.
+sliding window (Mistral v0.1's 4096) is costed as full attention, an upper bound. Native
+GQA runs in PyTorch's flash kernel only (sm_80 and later, 16-bit): on older cards and in
+fp32 SDPA falls back to its math kernel, which stores the scores — a GQA model there
+needs K and V repeated before SDPA to stay near this count (docs/planner.md).
 """
 
 from dataclasses import dataclass
