@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from balancing_state_formats import as_format_1
 from distributed import run_ranks, values
 from tolerances import REORDERINGS, farthest, order_bound
 
@@ -218,14 +219,6 @@ def spoilt_checkpoints(saved, foreign, into) -> dict:
         paths[name] = into / f"{name.replace(' ', '-')}.ckpt"
         torch.save(checkpoint, paths[name])
     return paths
-
-
-def as_format_1(state: dict) -> dict:
-    """A balancing state as hetcomm wrote it before format 2: no digest, no run settings
-    but these three."""
-    run = state["run"]
-    return {**{k: v for k, v in state.items() if k != "run"},
-            **{k: run[k] for k in ("global_batch", "accumulation", "world")}}
 
 
 def resumes_refused(rank, world, out, foreign):

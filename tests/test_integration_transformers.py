@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from balancing_state_formats import as_format_1
 from distributed import run_ranks, values
 from tolerances import REORDERINGS, farthest, order_bound
 
@@ -254,14 +255,6 @@ def spoilt_checkpoints(saved: Path, foreign: Path, into: Path) -> dict[str, Path
         shutil.copytree(run / "checkpoint-3", folders[name])
         (folders[name] / STATE_FILE).write_text(content)
     return folders
-
-
-def as_format_1(state: dict) -> dict:
-    """A balancing state as hetcomm wrote it before format 2: no digest, no run settings
-    but these three."""
-    run = state["run"]
-    return {**{k: v for k, v in state.items() if k != "run"},
-            **{k: run[k] for k in ("global_batch", "accumulation", "world")}}
 
 
 def resumes_refused(rank, world, out, foreign):
