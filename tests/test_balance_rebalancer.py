@@ -482,3 +482,66 @@ def test_ranks_that_speed_up_as_another_throttles_are_weighed_by_their_new_speed
     simulate(rebalancer, speeds_at, steps=40, noise=0.01)
     best = solve_split(batch, [(0.0, 1 / s) for s in speeds_at(30)]).step_time
     assert true_step_time(rebalancer.sizes, speeds_at(30)) <= 1.015 * best
+
+
+# Two equal CPU ranks on the shared 2-core host (benchmarks/results/equal_ranks_cpu.json, at
+# the equal split): per step a log-normal factor both ranks share, of sigma 0.25 (the recorded
+# RMS was 0.09-0.36), and each rank's own, of sigma 0.07 (a robust sigma of 0.04-0.09), one
+# step in ten of sigma 0.35 instead (the recorded own part reached 0.49-0.64 in 39 steps).
+HOST_SHARED, HOST_OWN, HOST_OUTLIER_SHARE, HOST_OUTLIER = 0.25, 0.07, 0.1, 0.35
+HOST_OWN_RMS = math.sqrt((1 - HOST_OUTLIER_SHARE) * HOST_OWN ** 2 + HOST_OUTLIER_SHARE * HOST_OUTLIER ** 2)
+
+
+def shared_host_times(rng, sizes, speeds):
+    shared = math.exp(rng.gauss(0, HOST_SHARED))
+    return [b / s * shared * math.exp(rng.gauss(0, HOST_OUTLIER if rng.random() < HOST_OUTLIER_SHARE else HOST_OWN))
+            for b, s in zip(sizes, speeds)]
+
+
+@pytest.mark.parametrize("review_first", [False, True])
+def test_equal_ranks_on_a_shared_host_stay_near_equal(review_first):
+    # 40 runs of 40 steps from 16/16. The split may only be as far off as the noise leaves the
+    # ranks' relative speed unknown: its mean excess over the best step time stays within the
+    # standard error of their relative speed from a run's measurements (own RMS x sqrt(2/40),
+    # 2.9%). Each rank's noise taken as its own alone, the shift bound of five of its sigmas
+    # was crossed every few steps and the split moved at once each time, and back: 3.5% and
+    # 5.9 changes a run (3.8% and 6.2 with the review), against 0.7% and 0.6 (2.6%, 1.3).
+    excess, changes = [], 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        rebalancer = Rebalancer(32, (16, 16), review_first=review_first, **TRAINING_SETTINGS)
+        for _ in range(40):
+            changes += rebalancer.observe(shared_host_times(rng, rebalancer.sizes, (1.0, 1.0))).changed
+            excess.append(max(rebalancer.sizes) / 16 - 1)
+    assert statistics.fmean(excess) < HOST_OWN_RMS * math.sqrt(2 / 40)
+    assert changes / 40 < 2
+
+
+@pytest.mark.parametrize("review_first", [False, True])
+def test_a_rank_twice_as_slow_on_a_shared_host_is_rebalanced_within_a_few_steps(review_first):
+    # The same noise, rank 1 at half the speed from the start at 16/16: the level's noise as a
+    # floor widens the margins, yet every run is within 10% of the best step time by step
+    # 12 (3.4-4.3 steps on average; 3.1-3.7 with each rank's own noise alone).
+    best = solve_split(32, [(0.0, 1.0), (0.0, 2.0)]).step_time
+    reached = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        rebalancer = Rebalancer(32, (16, 16), review_first=review_first, **TRAINING_SETTINGS)
+        for step in range(1, 13):
+            rebalancer.observe(shared_host_times(rng, rebalancer.sizes, (1.0, 0.5)))
+            if true_step_time(rebalancer.sizes, (1.0, 0.5)) <= 1.1 * best:
+                break
+        reached.append(step)
+        assert true_step_time(rebalancer.sizes, (1.0, 0.5)) <= 1.1 * best, seed
+    assert statistics.fmean(reached) < 5
+
+
+def test_no_trial_on_a_second_measurement():
+    # Two equal ranks; rank 1's second measurement twice as slow (past any shift bound), the
+    # rest exact. Tested against a first measurement, as noisy as itself, it moved the split on
+    # trial and back (the 16/16 -> 6/26 -> 27/5 -> 11/21 of #47); from the second on, it is
+    # folded in and, the best split still 16/16, nothing moves.
+    rebalancer = Rebalancer(32, (16, 16), **TRAINING_SETTINGS)
+    decisions = [rebalancer.observe([1.0, 2.0 if step == 1 else 1.0]) for step in range(8)]
+    assert not any(d.changed for d in decisions)
+    assert rebalancer.trial_from == [None, None]

@@ -80,6 +80,21 @@ widens no margin of a move that takes samples off it. A throttling card so costs
 one slow step instead of several, and a stall two steps at a split that is off by the
 stall's share; a slow step costs far more than a slightly uneven one.
 
+A rank's noise estimate has a floor: the noise of the cluster's level, what every rank
+does alike in a step (averaged as a rank's own is, from the same prior). Ranks that share
+a host share its load, and load that hits one rank harder than another (a neighbour's
+job on one core) comes in episodes of that size; the rank's own estimate, measured over
+the calm steps with the trials left out, misses them. Two equal CPU ranks on the shared
+2-core host (benchmarks/results/equal_ranks_cpu.json, at the equal split) had a common
+part of 0.09-0.36 (RMS of the log) and an own part of 0.04-0.09 (robust sigma) with steps
+up to 0.64 off: a shift bound of five own sigmas, 0.2-0.45, was crossed every few steps,
+and each crossing moved the split at once and back (16/16 -> 22/10 -> 14/18, held). On
+separate cards the level's noise is the ranks' own averaged down, below each one's, and
+the floor does not bind: a card that throttles is still followed at once. And no trial
+starts before a rank's estimate holds two measurements: a second measurement tested
+against a first has twice the variance the bound assumes, and the first steps' warm-up
+differs per rank.
+
 While the estimate begun at a confirmed shift is young, a measurement back at the level from
 before (within the shift bound of the estimate from before, and nearer it than the new
 one) brings that estimate back whole, and the split follows at once: the shift was a
@@ -192,6 +207,8 @@ class Rebalancer:
         self.speeds = [1.0] * ranks          # s_i over the cluster's level; 1 until the rank is first measured
         self.level = 0.0                     # L, the log of the cluster's level: 0 at the first measurements
         self.level_steps = 0                 # steps averaged into L
+        self.level_variance = VARIANCE_PRIOR  # the level's noise, as v_i is a rank's: the floor of each v_i
+        self.level_measured = 0              # steps folded into it
         self.recent: list[list[float]] = [[] for _ in range(ranks)]  # last SPIKE_FILTER measurements, common part out
         self.variances = [VARIANCE_PRIOR] * ranks  # v_i: averaged squared log-deviation of a measurement from s_i
         self.measured = [0] * ranks          # measurements folded into v_i
@@ -237,7 +254,7 @@ class Rebalancer:
         # Each measurement in the estimates' units: over the cluster's level, then over what
         # every rank did alike this step (which the level then follows, as an estimate does).
         speeds = {i: predicted[i] / compute_times[i] / math.exp(self.level) for i in measured}
-        common, unbias = self._common_deviation(speeds)
+        common, unbias, ranks_in_common = self._common_deviation(speeds)
         self.shifted = self.settled = False
         for i in measured:
             self._measure(i, speeds[i] / math.exp(common), unbias)
@@ -245,9 +262,13 @@ class Rebalancer:
         self.reviewing = self.review_first and self.level_steps == FIRST_REVIEW \
             and all(n >= FIRST_REVIEW for n in self.level_count)
         self.level += max(self.smoothing, 1 / self.level_steps) * common
+        if ranks_in_common >= 2:
+            self.level_measured += 1
+            weight = 1 / min(self.level_measured + PRIOR_WEIGHT, VARIANCE_MEMORY)
+            self.level_variance = (1 - weight) * self.level_variance + weight * common ** 2
         self.steps_since_change += 1
 
-    def _common_deviation(self, speeds: dict[int, float]) -> tuple[float, float]:
+    def _common_deviation(self, speeds: dict[int, float]) -> tuple[float, float, int]:
         """The part of this step's deviations from the estimates that every rank shares
         (log scale): their median over the n ranks with an estimate and no shift (a
         median, so that one noisy rank does not lend its noise to the quiet ones), and
@@ -258,10 +279,12 @@ class Rebalancer:
         the load of a shared host) moves every rank alike and leaves the best split where
         it was; counted as each rank's own noise, it would widen the margins that hold a
         needed change back (two equal ranks split 39/32 by a noisy first timing stayed so
-        for 12 steps). (0, 1) with fewer than two such ranks."""
+        for 12 steps). (0, 1) with fewer than two such ranks. Last, the number of ranks it
+        was taken over."""
         logs = [math.log(speed / self.speeds[i]) for i, speed in speeds.items()
                 if self.recent[i] and self.trial_from[i] is None and not self._beyond_shift_bound(i, speed)]
-        return (statistics.median(logs), len(logs) / (len(logs) - 1)) if len(logs) >= 2 else (0.0, 1.0)
+        return (statistics.median(logs), len(logs) / (len(logs) - 1), len(logs)) if len(logs) >= 2 \
+            else (0.0, 1.0, len(logs))
 
     def _measure(self, i: int, speed: float, unbias: float = 1.0) -> None:
         """Folds rank i's speed measured this step, with what every rank did alike taken
@@ -284,7 +307,7 @@ class Rebalancer:
             self.speeds[i], self.level_count[i], self.since_shift[i], self.since_level[i] = self.pre_shift[i]
             self.recent[i], self.pre_shift[i], self.shifted = [speed], None, True
             return
-        if self.recent[i] and self._beyond_shift_bound(i, speed):
+        if self.level_count[i] >= 2 and self._beyond_shift_bound(i, speed):
             self.trial_from[i], self.speeds[i], self.shifted = self.speeds[i], speed, True
             return
         if not self.recent[i]:
@@ -314,8 +337,12 @@ class Rebalancer:
         since its level was set: until 1/smoothing of them are in."""
         return self.level_count[i] <= round(1 / self.smoothing)
 
+    def noise(self, rank: int) -> float:
+        """v_i as the shift bound and the margins take it: at least the level's noise."""
+        return max(self.variances[rank], self.level_variance)
+
     def _shift_bound(self, rank: int) -> float:
-        return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.variances[rank]))
+        return max(SHIFT_MIN_LOG, SHIFT_SIGMAS * math.sqrt(self.noise(rank)))
 
     def _beyond_shift_bound(self, rank: int, speed: float) -> bool:
         return abs(math.log(speed / self.speeds[rank])) > self._shift_bound(rank)
@@ -341,11 +368,11 @@ class Rebalancer:
         """Per rank, the relative standard error of its speed estimate: sqrt(π/3 · v_i / n)
         for the Hodges-Lehmann estimate of n measurements (its large-sample figure;
         sqrt(v_i / n) for n ≤ 2, where it is their mean), sqrt(v_i·α/(2−α)) for the
-        moving average."""
+        moving average; v_i as noise() floors it."""
         average = self.smoothing / (2 - self.smoothing)
         errors = []
-        for i, (v, n) in enumerate(zip(self.variances, self.level_count)):
-            n = max(1, n)
+        for i, n in enumerate(self.level_count):
+            v, n = self.noise(i), max(1, n)
             share = (1 / n if n <= 2 else math.pi / 3 / n) if self._young(i) else average
             errors.append(math.sqrt(v * share))
         return errors
@@ -438,7 +465,8 @@ class Rebalancer:
         return {"sizes": list(self.sizes), "speeds": list(self.speeds), "recent": [list(r) for r in self.recent],
                 "variances": list(self.variances), "measured": list(self.measured),
                 "level_count": list(self.level_count), "since_level": [list(m) for m in self.since_level],
-                "level": self.level, "level_steps": self.level_steps,
+                "level": self.level, "level_steps": self.level_steps, "level_variance": self.level_variance,
+                "level_measured": self.level_measured,
                 "trial_from": list(self.trial_from), "since_shift": list(self.since_shift),
                 "pre_shift": [None if p is None else [*p[:3], list(p[3])] for p in self.pre_shift],
                 "shifted": self.shifted, "settled": self.settled, "reviewing": self.reviewing,
@@ -469,6 +497,9 @@ class Rebalancer:
                           for p in state.get("pre_shift", [None] * len(self.sizes))]
         # States saved before the cluster's level was taken apart hold it in their speeds.
         self.level, self.level_steps = float(state.get("level", 0.0)), int(state.get("level_steps", long_ago))
+        # States saved before the level's noise was a floor: none, as they decided then.
+        self.level_variance = float(state.get("level_variance", 0.0))
+        self.level_measured = int(state.get("level_measured", self.level_steps))
         self.shifted = bool(state.get("shifted", False))
         self.settled = bool(state.get("settled", False))
         self.reviewing = bool(state.get("reviewing", False))
