@@ -19,6 +19,8 @@ the split each rank ran) to show how far the replay of the code that ran strays 
 
     python benchmarks/replay_rebalancer.py benchmarks/results/hetero_cluster_cpu.json
     python benchmarks/replay_rebalancer.py --baseline HEAD~3 benchmarks/results/hetero_bert_*.json
+    python benchmarks/replay_rebalancer.py --baseline 5ac87f1 --out benchmarks/results --variant noisefloor \\
+        benchmarks/results/equal_ranks_cpu.json benchmarks/results/hetero_*.json
 """
 
 import argparse
@@ -32,6 +34,7 @@ from types import ModuleType
 from bench_hetero_cluster import regimes
 from bench_rebalancer_noise import rebalancer_at
 from loss_breakdown import runs_of
+from result_files import add_out_arguments, write_results
 
 import hetcomm.balance.rebalancer as tree_rebalancer
 from hetcomm.balance import solve_split
@@ -83,19 +86,22 @@ def replay(module: ModuleType, steps_log: list[dict]) -> tuple[list[tuple[int, .
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path, help="hetero_cluster_*.json or hetero_bert_*.json files")
+    parser.add_argument("results", nargs="+", type=Path,
+                        help="hetero_cluster_*.json, hetero_bert_*.json or equal_ranks_*.json files")
     parser.add_argument("--baseline", metavar="REVISION",
                         help="also replay the rebalancer of this git revision (e.g. HEAD, main~2)")
+    add_out_arguments(parser)
+    parser.add_argument("--variant", default="", help="with --out: the result set's variant (its name's part)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         modules = {"this tree": tree_rebalancer}
         if args.baseline:
             modules[args.baseline] = rebalancer_at(args.baseline, Path(folder))
         names = " | ".join(f"{name}: split loss | changes" for name in modules)
-        print(f"| run | scenario | strategy | as run | {names} |")
-        print("|---|---|---|---|" + "---|---|" * len(modules))
+        lines = [f"| run | scenario | strategy | as run | {names} |", "|---|---|---|---|" + "---|---|" * len(modules)]
         totals = {name: [] for name in modules}
         for path in args.results:
+            mine = {name: ([], []) for name in modules}
             for label, row in runs_of(path, DYNAMIC):
                 steps = row["steps"]
                 slowdown_step = None if row["scenario"] == "steady" else len(steps) // 2
@@ -105,11 +111,25 @@ def main():
                     splits, changes = replay(module, steps)
                     loss = split_loss(steps, slowdown_step, splits)
                     totals[name].append(loss)
+                    mine[name][0].append(loss)
+                    mine[name][1].append(changes)
                     cells.append(f"{100 * loss:.2f}% | {changes}")
-                print(f"| {label} | {row['scenario']} | {row['strategy']} | {100 * as_run:.2f}% | "
-                      + " | ".join(cells) + " |")
+                lines.append(f"| {label} | {row['scenario']} | {row['strategy']} | {100 * as_run:.2f}% | "
+                             + " | ".join(cells) + " |")
+            means = " | ".join(f"{100 * statistics.fmean(losses):.2f}% | {statistics.fmean(changes):.1f}"
+                               for losses, changes in mine.values())
+            lines.append(f"| **mean of {path.stem}'s {len(next(iter(mine.values()))[0])} runs** | | | | {means} |")
         means = " | ".join(f"{100 * statistics.fmean(losses):.2f}% | " for losses in totals.values())
-        print(f"| mean of {len(next(iter(totals.values())))} runs | | | | {means}|")
+        lines.append(f"| mean of {len(next(iter(totals.values())))} runs | | | | {means}|")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        command = " ".join(["python benchmarks/replay_rebalancer.py"] + (["--baseline", args.baseline] if args.baseline
+                                                                          else []) + [str(p) for p in args.results])
+        write_results(args.out, "replay_rebalancer", f"The logged step times replayed through the rebalancer "
+                      f"(`{command}`): each run's split loss, its steps' time at the replayed splits over that at "
+                      f"the best whole-sample splits (both at the run's median throughputs), less 1, and the "
+                      f"number of split changes.\n\n{text}", variant=args.variant or None)
 
 
 if __name__ == "__main__":
