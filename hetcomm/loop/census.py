@@ -14,7 +14,18 @@ import torch.distributed as dist
 # second or so apart.
 ANSWER_WAIT_S = 2.0
 
+# What a lost peer's error says: a wrapped collective's CollectiveTimeout; a plain one's
+# (a barrier, an object gather) raw Gloo text, a RuntimeError.
+PEER_LOST_WORDS = ("timeout", "timed out", "connection closed", "connection reset", "broken pipe", "aborted",
+                   "read error", "write error")
+
 _job: tuple[dist.Store, int, int] | None = None   # the store, this rank, the world
+
+
+def looks_like_a_lost_peer(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, (TimeoutError, dist.DistError)) or (
+        isinstance(error, RuntimeError) and any(word in text for word in PEER_LOST_WORDS))
 
 
 def enrol(store: dist.Store, rank: int, world: int, node: str | None) -> None:
@@ -53,7 +64,9 @@ def unanswered(wait_s: float = ANSWER_WAIT_S) -> str | None:
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
         silent = [r for r in range(world) if not store.check([keys[r]])]
-        nodes = [store.get(f"census/node/{r}").decode() or None for r in range(world)]
+        # A rank that died before it enrolled has no node on file.
+        nodes = [store.get(f"census/node/{r}").decode() or None if store.check([f"census/node/{r}"]) else None
+                 for r in range(world)]
     except (RuntimeError, dist.DistError):
         return "the job's store (the rendezvous endpoint's node)"
     return describe_by_node(silent, nodes)

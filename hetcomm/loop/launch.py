@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetcomm.comm import CollectiveTimeout
 from hetcomm.loop import census
 from hetcomm.loop.host_memory import keep_freed_memory
 
@@ -114,7 +113,7 @@ def _join_torchrun_job(backend: str, timeout: timedelta) -> None:
 def _not_answering(error: Exception) -> str:
     """Under torchrun, after a collective failed: the ranks that no longer answer (a
     node lost), which the failure itself does not name."""
-    if not isinstance(error, (CollectiveTimeout, dist.DistError)):
+    if not census.looks_like_a_lost_peer(error):
         return ""
     silent = census.unanswered()
     return f" Not answering after it: {silent}." if silent else ""
