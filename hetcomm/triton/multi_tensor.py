@@ -4,21 +4,23 @@ A call becomes a list of segments (one per tensor: source and destination addres
 dtypes, element count). Segments are grouped by their (source, destination) dtype
 pair, since a pointer's element type is fixed when a kernel is compiled, and each
 group is cut into rows of at most CHUNK elements. All rows go into one int64 table,
-copied to the device once per call; each dtype group is then one launch over its
-rows. A call therefore costs at most three scale-and-cast launches (one per dtype
-present), whatever the number of tensors.
+copied to the device once per list (plan_cache keeps the plan for the next call with
+the same tensors); each dtype group is then one launch over its rows. A call
+therefore costs at most three scale-and-cast launches (one per dtype present),
+whatever the number of tensors.
 """
 
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from hetcomm.triton import configs, kernels
+from hetcomm.triton import configs, kernels, plan_cache
 
 # Elements per row at most. A 4M-element gradient makes 256 programs, enough to fill
 # the SMs of the largest GPUs targeted; the table costs 24 bytes per CHUNK elements.
@@ -32,15 +34,23 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 _scale_cast_rows_tuned = triton.autotune(configs=list(configs.CONFIGS), key=["size_class", "SRC", "DST", "ALIGNED"])(
     kernels.scale_cast_rows)
 
+PLANS = plan_cache.PlanCache()
 
-@dataclass(frozen=True)
-class Segment:
-    """numel elements read from src at src_offset, written to dst at dst_offset."""
-    src: Tensor
-    dst: Tensor
-    src_offset: int
-    dst_offset: int
+
+class Segment(NamedTuple):
+    """numel elements read from address src, written to address dst. Plain values, no
+    tensors: segments are the plan cache's keys (see plan_cache)."""
+    src: int
+    dst: int
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
     numel: int
+
+
+def segment(src: Tensor, dst: Tensor, src_offset: int, dst_offset: int, numel: int) -> Segment:
+    """numel elements of src from element src_offset to dst from element dst_offset."""
+    return Segment(src.data_ptr() + src_offset * src.element_size(), dst.data_ptr() + dst_offset * dst.element_size(),
+                   src.dtype, dst.dtype, numel)
 
 
 @dataclass(frozen=True)
@@ -81,9 +91,9 @@ def check_device(op: str, device: torch.device) -> None:
 def _rows(segments: Sequence[Segment]) -> Tensor:
     """The rows of one dtype group, built with a few tensor operations rather than a
     Python loop over chunks (a large model has thousands)."""
-    src_size, dst_size = segments[0].src.element_size(), segments[0].dst.element_size()
-    src = torch.tensor([s.src.data_ptr() + s.src_offset * src_size for s in segments], dtype=torch.int64)
-    dst = torch.tensor([s.dst.data_ptr() + s.dst_offset * dst_size for s in segments], dtype=torch.int64)
+    src_size, dst_size = segments[0].src_dtype.itemsize, segments[0].dst_dtype.itemsize
+    src = torch.tensor([s.src for s in segments], dtype=torch.int64)
+    dst = torch.tensor([s.dst for s in segments], dtype=torch.int64)
     numel = torch.tensor([s.numel for s in segments], dtype=torch.int64)
     chunks = (numel + CHUNK - 1) // CHUNK
     owner = torch.repeat_interleave(torch.arange(len(segments)), chunks)
@@ -94,10 +104,23 @@ def _rows(segments: Sequence[Segment]) -> Tensor:
 
 
 def plan(segments: Sequence[Segment], device: torch.device) -> Plan:
+    """The plan of these segments on device: from PLANS, or built (and kept) there.
+
+    Empty tensors are left out of the key: they are not planned, and their addresses
+    may change from call to call. The stream is in it for CUDA: a table is copied on
+    the current stream and, once evicted, freed through the caching allocator, which
+    reuses a block on the stream that allocated it; so every launch that reads a
+    table must run on that stream, after the copy and before the reuse.
+    """
+    live = tuple(s for s in segments if s.numel > 0)
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    return PLANS.get((device, stream, live), lambda: _build(live, device))
+
+
+def _build(segments: Sequence[Segment], device: torch.device) -> Plan:
     groups: dict[tuple[torch.dtype, torch.dtype], list[Segment]] = {}
     for s in segments:
-        if s.numel > 0:
-            groups.setdefault((s.src.dtype, s.dst.dtype), []).append(s)
+        groups.setdefault((s.src_dtype, s.dst_dtype), []).append(s)
     tables, launches, first_row = [], [], 0
     for (src_dtype, dst_dtype), group in groups.items():
         rows = _rows(group)

@@ -16,7 +16,7 @@ def _pack_into(src: Sequence[Tensor], scale: Tensor, out: Tensor) -> None:
     multi_tensor.check_device("pack", out.device)
     segments, offset = [], 0
     for t in src:
-        segments.append(multi_tensor.Segment(t, out, 0, offset, t.numel()))
+        segments.append(multi_tensor.segment(t, out, 0, offset, t.numel()))
         offset += t.numel()
     # pack only reads src and overwrites out, so its launch shape may be chosen by timing.
     multi_tensor.run(multi_tensor.plan(segments, out.device), scale, tune=True)

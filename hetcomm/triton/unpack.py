@@ -31,7 +31,7 @@ def unpack_(flat: Tensor, dst: Sequence[Tensor], scale: Tensor, found_inf: Tenso
     multi_tensor.check_device("unpack_", flat.device)
     segments, offset = [], 0
     for t in dst:
-        segments.append(multi_tensor.Segment(flat, t, offset, 0, t.numel()))
+        segments.append(multi_tensor.segment(flat, t, offset, 0, t.numel()))
         offset += t.numel()
     plan = multi_tensor.plan(segments, flat.device)
     partials = None

@@ -15,7 +15,7 @@ from hetcomm.triton import multi_tensor
 def unscale_(tensors: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
     checks.check_unscale(tensors, inv_scale, found_inf)
     multi_tensor.check_device("unscale_", found_inf.device)
-    segments = [multi_tensor.Segment(t, t, 0, 0, t.numel()) for t in tensors]
+    segments = [multi_tensor.segment(t, t, 0, 0, t.numel()) for t in tensors]
     multi_tensor.run(multi_tensor.plan(segments, found_inf.device), inv_scale, found_inf=found_inf, check_input=True)
 
 
