@@ -7,12 +7,18 @@ small (a bias of 64 elements gets a program of its own), so 64-thread programs w
 8-16 elements per thread waste less and still fill an SM with enough of them. Ampere
 and newer take larger blocks with more warps.
 
-pack is autotuned over all of CONFIGS (its result does not depend on the shape).
-unpack_ and unscale_ use default_config() and are never timed: unscale_ works in
+pack is autotuned over all of CONFIGS (its result does not depend on the shape), and
+so is unpack_ without sq_norm (it overwrites dst from flat, which it only reads, and
+found_inf is only ever set, so the autotuner's repeated runs change nothing). The
+autotuner's key holds what changes the best shape: the row count's size class, the
+dtypes, the alignment, and the check and sum flags (they cost registers). unpack_
+with sq_norm and unscale_ use default_config() and are never timed: unscale_ works in
 place, so the autotuner's repeated benchmark runs would unscale the caller's data
 several times (its addresses sit in the row table, out of reach of restore_value),
 and the order in which unpack_ sums squares follows BLOCK and num_warps, so a choice
-made by timing could change sq_norm's last bit from one run to the next.
+made by timing could change sq_norm's last bit from one run to the next. Under
+TRITON_INTERPRET=1 nothing is timed (every config would run on CPU): every launch
+takes default_config().
 """
 
 import torch

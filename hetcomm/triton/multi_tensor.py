@@ -30,9 +30,11 @@ CHUNK = 16384
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-# pack's launches: timed once per key on first use (see configs for why only pack).
-_scale_cast_rows_tuned = triton.autotune(configs=list(configs.CONFIGS), key=["size_class", "SRC", "DST", "ALIGNED"])(
-    kernels.scale_cast_rows)
+# The launches that may be timed (see configs for which): once per key on first use.
+# The check and sum flags are in the key: they change the registers a program needs.
+_scale_cast_rows_tuned = triton.autotune(
+    configs=list(configs.CONFIGS),
+    key=["size_class", "SRC", "DST", "ALIGNED", "CHECK_INPUT", "CHECK_OUTPUT", "SUM_SQ"])(kernels.scale_cast_rows)
 
 PLANS = plan_cache.PlanCache()
 
