@@ -34,16 +34,17 @@ class WorkClock:
         model.register_forward_pre_hook(forward, with_kwargs=True)
 
     def count_passes(self, model: torch.nn.Module, forward_part: float) -> None:
-        """Counts the samples of `model`'s training forwards (its first argument's rows)
+        """Counts the samples of `model`'s training forwards (its first argument's rows, or
+        its input_ids')
         at `forward_part` of a sample's cost, and of its backwards at the rest (a
         backward runs in no-grad mode, and only for a forward kept), so that the time
         of a first micro-batch's forward, which the handoff predicts a share from, is
         a part of the share's time as on a device."""
-        def forward(module, args):
+        def forward(module, args, kwargs):
             if torch.is_grad_enabled():
-                self.count(len(args[0]), forward_part)
+                self.count(len(args[0] if args else kwargs["input_ids"]), forward_part)
 
-        model.register_forward_pre_hook(forward)
+        model.register_forward_pre_hook(forward, with_kwargs=True)
         model.register_full_backward_pre_hook(lambda module, grads: self.count(len(grads[0]), 1 - forward_part))
 
 
