@@ -18,6 +18,7 @@ scratch directory. The first non-zero exit fails the test, naming the command.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -112,11 +113,22 @@ def environment() -> dict[str, str]:
 
 
 def scratch_root(tmp: Path) -> Path:
-    """A directory that looks like the repository root: its top-level entries linked."""
+    """A directory that looks like the repository root: its top-level entries linked, but
+    for the committed results, which are copied: a documented command that writes its
+    results there (--out benchmarks/results) must not rewrite the tree's."""
     copy = tmp / "repo"
     copy.mkdir()
     for entry in ROOT.iterdir():
-        if entry.name not in NOT_LINKED:
+        if entry.name in NOT_LINKED:
+            continue
+        if entry.name == "benchmarks":
+            (copy / entry.name).mkdir()
+            for inner in entry.iterdir():
+                if inner.name == "results":
+                    shutil.copytree(inner, copy / entry.name / inner.name)
+                else:
+                    (copy / entry.name / inner.name).symlink_to(inner, target_is_directory=inner.is_dir())
+        else:
             (copy / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     return copy
 
