@@ -40,7 +40,7 @@ plan: $(STAMP)
 	$(VENV)/bin/hetcomm plan --cluster "2x1080ti,1xv100,4xt4" --net 10gbe --model gpt2-124m --global-batch 512 --seq 1024
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(WORKERS) tests
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup tests
 
 lint:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

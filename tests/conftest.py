@@ -184,3 +184,18 @@ def torch_unscale_(tensors, found_inf, inv_scale) -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
     except NotImplementedError:
         reference.unscale_(tensors, inv_scale, found_inf)
+
+
+# Modules whose module-scoped fixtures start ranks or training runs. make test runs
+# pytest-xdist with --dist loadgroup, and these modules' tests go to one worker each:
+# spread over both, each worker would run the same fixture again (two_nodes' straight
+# runs took twice their time that way).
+SHARED_RUNS = {"test_two_nodes", "test_faults", "test_integration_lightning", "test_integration_transformers",
+               "test_shard", "test_reducer", "test_reducer_expected", "test_ddp_hook"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        if module in SHARED_RUNS:
+            item.add_marker(pytest.mark.xdist_group(module))
