@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from distributed import run_ranks, values
 
 from hetcomm.integrations import BalancedBatches, BalancedHookState, loader_steps_ahead
