@@ -98,7 +98,7 @@ def test_bert_masked_lm_on_an_unequal_split_equals_one_process_weighted_by_maske
     assert_equals_reference(ranks, expected_losses, expected, loss_bound, weight_bound)
     # The ranks' masked-token counts differ: weighting by samples lands elsewhere.
     _, by_samples = one_process(hf_bert_mlm, args, by_samples=SPLIT)
-    assert farthest(ranks[0][1], by_samples) > 10 * weight_bound
+    assert farthest(ranks[0][1], by_samples) > 5 * weight_bound
 
 
 def test_gpt2_on_an_unequal_split_equals_one_process(tmp_path):
@@ -108,7 +108,7 @@ def test_gpt2_on_an_unequal_split_equals_one_process(tmp_path):
     assert_equals_reference(ranks, expected_losses, expected, loss_bound, weight_bound)
     # DDP's plain average of the ranks' means lands elsewhere.
     _, averaged = one_process(hf_gpt2, args, by_samples=SPLIT, equal=True)
-    assert farthest(ranks[0][1], averaged) > 10 * weight_bound
+    assert farthest(ranks[0][1], averaged) > 5 * weight_bound
 
 
 def interrupted(rank, world, args, split):

@@ -157,7 +157,7 @@ def test_equal_weighting_of_the_ranks_means_is_not_the_reference():
         loss = sum(b / 16 * mean_loss(net, {k: v[s: s + b] for k, v in batch.items()}) for s, b in zip(starts, SPLIT))
         loss.backward()
         optimizer.step()
-    assert farthest([p.detach() for p in net.parameters()], union_batches(4)) > 100 * union_bound(4)
+    assert farthest([p.detach() for p in net.parameters()], union_batches(4)) > 50 * union_bound(4)
 
 
 def resume_and_throttle(rank, world, out):

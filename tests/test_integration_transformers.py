@@ -182,7 +182,7 @@ def test_uneven_split_equals_one_process_trainer_in_both_loss_modes(tmp_path, re
         bound = reference[f"{kind} bound"]
         assert farthest(trained[0], reference[kind]) <= bound, (runs[r], farthest(trained[0], reference[kind]), bound)
     assert [ranks[0][r][1] for r in range(len(runs))] == [True, True, False, False, None, None]  # "plain": no probe
-    assert farthest(ranks[0][-1][0], reference["plain"]) > 100 * reference["plain bound"]
+    assert farthest(ranks[0][-1][0], reference["plain"]) > 50 * reference["plain bound"]
     served = [rank[0][2] for rank in ranks]
     assert [len(s) for s in served] == [4 * b for b in SPLIT]
     assert sorted(i for s in served for i in s) == list(range(SAMPLES))

@@ -150,7 +150,7 @@ def test_an_unequal_split_trains_as_one_process_weighted_by_items(tmp_path):
         assert splits == [[1, 3, 5, 7]] * 4
         bound = assert_equals_reference(4, weights, losses)
         # Weighting by samples instead of masked items would land far from where the loop did.
-        assert farthest(weights, by_samples) > 100 * bound
+        assert farthest(weights, by_samples) > 50 * bound
 
 
 def train_counting_early_buckets(rank, world, steps, overlap):

@@ -151,8 +151,8 @@ def test_fp32_wire_equals_the_unsharded_reducer_and_fused_adamw(ranks):
         assert abs(run["norms"][0] - run["norms"][1]) <= norm_bound
         # The weights moved, far more than the bound: not two untouched models; and DDP's
         # plain average of the ranks' means lands far outside it.
-        assert min((a - b).abs().max().item() for a, b in zip(run["sharded"], run["initial"])) > 100 * weight_bound
-        assert farthest(run["sharded"], run["equal"]) > 10 * weight_bound
+        assert min((a - b).abs().max().item() for a, b in zip(run["sharded"], run["initial"])) > 50 * weight_bound
+        assert farthest(run["sharded"], run["equal"]) > 5 * weight_bound
 
 
 def test_fp16_wire_with_loss_scale_skips_alike_and_stays_close(ranks):

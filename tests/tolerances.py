@@ -16,16 +16,18 @@ Two kinds, and each test says which it uses:
   sums changes, which this host's kernels decide: order_bound measures that (the same
   reference run on the global batch in other orders) and allows SPREAD_FACTOR times it.
   Measured ratios of the distributed runs' distance to this spread: 0.2 to 2.2 over
-  ATen's default, AVX2 and AVX-512 kernels on an AMD EPYC host; the run under test
-  reorders sums in more places than one reordered reference does (each rank's partial
-  sums, the weighting on the wire, the all-reduce), hence a factor above 2. A weighting
-  that is wrong lands orders of magnitude further (the tests show it does)."""
+  ATen's default, AVX2 and AVX-512 kernels on an AMD EPYC host for GPT-2, but 7 for the
+  tiny BERT under ATen's default kernels in CI, whose reordered twins happened to land
+  close to the reference: the run under test reorders sums in more places than one
+  reordered reference does (each rank's partial sums, the weighting on the wire, the
+  all-reduce), hence a factor of 8. A weighting that is wrong lands orders of magnitude
+  further (the tests show it does)."""
 
 import torch
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}
-SPREAD_FACTOR = 4
+SPREAD_FACTOR = 8
 # A global batch's samples in other orders, for a reference run's reordered twins: the same
 # sums in other orders.
 REORDERINGS = (lambda indices: indices[::-1], lambda indices: indices[len(indices) // 2:] + indices[:len(indices) // 2])
