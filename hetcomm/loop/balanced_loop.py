@@ -20,12 +20,14 @@ from hetcomm.balance.rebalancer import THRESHOLD, TRAINING_SETTINGS
 from hetcomm.comm import WeightedReducer
 from hetcomm.comm.collectives import control_device, gather_floats
 from hetcomm.loop.agreement import agree_precision, check_same_parameters, check_same_values
-from hetcomm.loop.batches import load_batch
+from hetcomm.loop.batches import load_batch, micro_batches
 from hetcomm.loop.step import GATHERED, LoopStep, no_stretch
 from hetcomm.shard import FlatParameters, ShardedReducer
 from hetcomm.simulated import stretch_as_it_goes
 from hetcomm.shard.layout import bytes_needed
 from hetcomm.shard.spec import Shard, agree_layout, probe_state_memory
+from hetcomm.shard.units import plan_units
+from hetcomm.shard.weights import ShardedWeights
 
 BALANCE = ("dynamic", "static", "equal")
 
@@ -95,7 +97,11 @@ class BalancedLoop(TimedSteps):
             each rank's memory; the trained parameters (one dtype: a 16-bit model's own
             weights, no master_params) and their gradients become views of flat buffers.
             Step with hetcomm.shard.ShardedAdamW(groups, loop.reducer, ...), passing
-            step.clip_coefficient(max_norm) as its grad_scale.
+            step.clip_coefficient(max_norm) as its grad_scale. Shard(weights=True) shards
+            the weights too (loop.sharded_weights): every rank then runs as many
+            micro-batches in a step (a short share is padded with a micro-batch whose loss
+            counts zero), so that the layers' gathers meet; the handoff is off, and the
+            memory caps must be given (a probe would run different sizes on each rank).
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
             stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
             the stretch paid after each leaf module's forward and each gradient.
@@ -142,6 +148,7 @@ class BalancedLoop(TimedSteps):
             # the stretch of its gradients is paid, as on a slower device.
             stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.flat: FlatParameters | None = None
+        self.sharded_weights: ShardedWeights | None = None
         if shard is not None:
             self.reducer = self._sharded_reducer(shard, params, probe_forward, wire_dtype, bucket_cap_mb, timeout,
                                                  overlap)
@@ -169,7 +176,9 @@ class BalancedLoop(TimedSteps):
                                                            review_first=self.time_first_step and balance == "dynamic",
                                                            **TRAINING_SETTINGS))
         self.split = start
-        self.handoff_enabled = handoff and balance == "dynamic" and not self.fixed_split
+        # A handoff cuts ranks' runs of micro-batches differently; fully sharded weights need equal counts.
+        self.handoff_enabled = handoff and balance == "dynamic" and not self.fixed_split \
+            and self.sharded_weights is None
         self.handoff_report_part = handoff_report_part
         # The handoff's reports travel while the ranks compute: on a CPU group, so that an
         # NCCL collective does not sit on the GPU waiting for the straggler's report.
@@ -192,6 +201,13 @@ class BalancedLoop(TimedSteps):
         if self.masters is not None:
             raise ValueError("BalancedLoop: shard keeps the fp32 masters itself, on their owners; pass no "
                              "master_params (a 16-bit model's weights are what is sharded)")
+        plan = None
+        if shard.weights:
+            if self.device.type == "cuda" and shard.memory is None and shard.ranges is None:
+                raise ValueError("BalancedLoop: Shard(weights=True) needs memory= or ranges= (the planner's "
+                                 "`hetcomm plan --shard full` gives them); a probe would hold the whole model")
+            plan = plan_units(self.model, params, shard.units, "BalancedLoop")
+            params = plan.flat_order()
         self.flat = FlatParameters(params, "BalancedLoop")
         bucket_elements = max(1, int(bucket_cap_mb * 2**20) // self.flat.dtype.itemsize)
 
@@ -207,6 +223,8 @@ class BalancedLoop(TimedSteps):
             return memory
 
         layout = agree_layout(shard, self.flat, bucket_elements, "BalancedLoop", probe)
+        if plan is not None:
+            self.sharded_weights = ShardedWeights(self.flat, plan, layout, timeout)
         return ShardedReducer(self.flat, layout, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
                               timeout=timeout, gather_size=len(GATHERED), overlap=bool(overlap))
 
@@ -332,6 +350,25 @@ class BalancedLoop(TimedSteps):
     def cap(self) -> int | None:
         return self.caps[self.rank] if self.caps else None
 
+    def runs_of(self, indices: list[int], counts: list[int] | None) -> list[list[int] | None]:
+        """With sharded weights, this rank's micro-batches of `indices`, `counts` being
+        every rank's count in the same run: every rank gets as many micro-batches as the
+        rank that needs the most (its count over its cap), cut as evenly as they go; a
+        rank with fewer samples than that gets None for each missing one (a padding
+        micro-batch, whose loss counts zero)."""
+        if counts is None or len(counts) != self.world or counts[self.rank] != len(indices):
+            raise RuntimeError(f"BalancedLoop: a run of {len(indices)} samples without every rank's count "
+                               f"({counts}); sharded weights need them to align the micro-batches")
+        runs = max(len(micro_batches(list(range(c)), self.caps[r] if self.caps else None))
+                   for r, c in enumerate(counts))
+        if len(indices) < runs:
+            return [[i] for i in indices] + [None] * (runs - len(indices))
+        base, extra = divmod(len(indices), runs)
+        cuts = [0]
+        for k in range(runs):
+            cuts.append(cuts[-1] + base + (k < extra))
+        return [indices[a:b] for a, b in zip(cuts, cuts[1:])]
+
     def set_split(self, sizes: tuple[int, ...]) -> None:
         self.split = tuple(sizes)
         self.rebalancer.rebalancer.adopt(self.split)
@@ -396,6 +433,10 @@ class BalancedLoop(TimedSteps):
             return caps if any(c is not None for c in caps) else None
         if probe_forward is None:
             return None
+        if self.sharded_weights is not None:
+            raise ValueError("BalancedLoop: with Shard(weights=True) pass memory_caps (the planner's micro-batches): "
+                             "probing runs a different number of forwards on each rank, and their gathers would "
+                             "not meet")
         cap = self._probe_cap(probe_forward)
         caps: list[int | None] = [None] * self.world
         dist.all_gather_object(caps, cap)

@@ -117,6 +117,7 @@ class LoopStep:
         # step's own share: the last unless the plan hands this rank samples).
         self._last: bool | str = False
         self._settle = no_stretch           # brings the simulated speed's stretch up to now
+        self._padding = False               # the micro-batch yielded only aligns sharded weights' gathers
 
     # --- the micro-batches -----------------------------------------------------------
 
@@ -135,7 +136,7 @@ class LoopStep:
             if loop.handoff_enabled and self.number >= loop.equal_steps:
                 yield from self._with_handoff(indices)
             else:
-                yield from self._run(indices, final=True)
+                yield from self._run(indices, final=True, counts=list(loop.sampler.drawn_shares))
         self._state = "done"
 
     def _draw(self) -> list[int]:
@@ -147,11 +148,14 @@ class LoopStep:
                 return indices
         raise RuntimeError("the sampler produced no step")
 
-    def _run(self, indices: list[int], timed: bool = True, first: int | None = None, final: bool | str = False):
+    def _run(self, indices: list[int], timed: bool = True, first: int | None = None, final: bool | str = False,
+             counts: list[int] | None = None):
         """Yields the micro-batches of `indices` (the first of at most `first` samples);
         returns the seconds they took, waiting for the device, stretched to the rank's
         simulated speed when timed. A giver's handoff (see _report_forward) may end it
-        after its first micro-batch. `final`: whether the run ends the step (self._last)."""
+        after its first micro-batch. `final`: whether the run ends the step (self._last).
+        `counts`: every rank's samples in this run (sharded weights align the ranks'
+        micro-batches by them: BalancedLoop.runs_of)."""
         loop = self.loop
         # The loop's clock (TimedSteps.clock) times the compute that splits are decided from;
         # the first step's waits and the reduction are the host's seconds.
@@ -161,10 +165,16 @@ class LoopStep:
             self._started, self._settle = start, settle or no_stretch
             loop.settle_now = self._settle
             try:
-                micros = micro_batches(indices, loop.cap(), first)
+                if loop.sharded_weights is not None:
+                    micros = loop.runs_of(indices, counts)
+                else:
+                    micros = micro_batches(indices, loop.cap(), first)
                 for k, micro in enumerate(micros):
-                    batch = loop.load(micro)
-                    self._awaiting = len(micro)
+                    self._padding = micro is None
+                    if self._padding:   # a sample to run the layers' gathers with; its loss counts zero
+                        micro = []
+                    batch = loop.load(micro or [indices[0] if indices else 0])
+                    self._awaiting = max(1, len(micro))
                     self._last = final if k == len(micros) - 1 else False
                     yield batch
                     if self._awaiting is not None:
@@ -179,6 +189,7 @@ class LoopStep:
             finally:
                 loop.settle_now = no_stretch
                 self._last = False
+                self._padding = False
         seconds = loop.clock() - start
         if timed:
             self.compute += seconds
@@ -229,10 +240,11 @@ class LoopStep:
         start = time.perf_counter()
         batch, world = loop.global_batch, loop.world
         share = batch // world
-        yield from self._run([i % len(loop.dataset) for i in range(max(1, share // 8))], timed=False)
+        warm_up = max(1, share // 8)
+        yield from self._run([i % len(loop.dataset) for i in range(warm_up)], timed=False, counts=[warm_up] * world)
         loop.zero_grads()
         self.loss_sum, self.count, self.timed_first = 0.0, 0, True
-        first = yield from self._run(loop.sampler.take([1] * world))
+        first = yield from self._run(loop.sampler.take([1] * world), counts=[1] * world)
         singles = [row[0] for row in gather_floats([first])]
         if share > 1:
             half = batch // 2 - world
@@ -240,7 +252,7 @@ class LoopStep:
             more = [max(1, math.floor(half * v / sum(speeds))) for v in speeds]
             done = [1 + k for k in more]
             self._retarget(done[rank])
-            seconds = yield from self._run(loop.sampler.take(more))
+            seconds = yield from self._run(loop.sampler.take(more), counts=more)
             rates = [(0.0, row[0] / k) for row, k in zip(gather_floats([seconds]), more)]
             timed = (seconds, more[rank])
         else:   # one sample per rank is the whole equal share
@@ -253,7 +265,7 @@ class LoopStep:
         loop.first_timing_seconds = time.perf_counter() - start   # the waits for the slowest rank's parts included
         self.split = split
         rest = [b - d for b, d in zip(split, done)]
-        seconds = yield from self._run(loop.sampler.take(rest) if sum(rest) else [])
+        seconds = yield from self._run(loop.sampler.take(rest) if sum(rest) else [], counts=rest)
         self.measured = (timed[0] + seconds, timed[1] + rest[rank])
 
     def _with_handoff(self, indices: list[int]):
@@ -352,6 +364,12 @@ class LoopStep:
             raise ValueError(f"step.backward: the loop was given items_per_sample={per_sample}, which fixes the "
                              f"count; pass no count")
         count = self._awaiting * (per_sample or 1) if count is None else _checked_count(count)
+        if self._padding:
+            self._awaiting = None
+            if self._last is True:
+                self._arm()
+            (loss.reshape(()) * 0.0).backward()   # the gathers of a real backward, adding nothing
+            return
         if self._reporting is not None and self._reporting.report is None:   # the share's first micro-batch
             self._report_forward()
         self._awaiting = None

@@ -46,7 +46,8 @@ class FlatParameters:
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.total = self.offsets[-1]
-        self.weights = torch.empty(self.total, dtype=self.dtype, device=self.device)
+        self.weights: Tensor | None = torch.empty(self.total, dtype=self.dtype, device=self.device)
+        self.sharded = None   # hetcomm.shard.weights.ShardedWeights, once the weights are sharded too
         self.grads = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self._grad_views = [self.grads[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         with torch.no_grad():
@@ -57,6 +58,13 @@ class FlatParameters:
 
     def weight_views(self) -> list[Tensor]:
         return [self.weights[a:b].view(p.shape) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+
+    def weights_of(self, start: int, stop: int) -> Tensor:
+        """The flat weights [start, stop): a view of the whole buffer, or of this rank's
+        own range once the weights are sharded (hetcomm.shard.weights)."""
+        if self.sharded is not None:
+            return self.sharded.local_slice(start, stop)
+        return self.weights[start:stop]
 
     def attach_grads(self) -> None:
         """Points every .grad at its view, keeping the values of one that was replaced.

@@ -2,10 +2,11 @@
 left for the sharded state, not in equal shares.
 
 Every rank keeps the model's weights and gradients whole (they are needed for its
-forward and backward); the state of the optimizer (fp32 masters and AdamW's two
-moments) is kept only by the owner of each element. A rank's range is proportional to
-the memory it has left for that state, so that every card's state fills the same part
-of what it has: a 32 GB card takes about three times an 11 GB card's range."""
+forward and backward), unless the weights are fully sharded too (hetcomm.shard.weights:
+then each rank keeps only its range of them); the state of the optimizer (fp32 masters
+and AdamW's two moments) is kept only by the owner of each element. A rank's range is
+proportional to the memory it has left for what it keeps per element, so that every
+card's share fills the same part of what it has: a 32 GB card takes about three times an 11 GB card's range."""
 
 import math
 from collections.abc import Sequence
@@ -18,10 +19,12 @@ import torch
 ALIGN = 16
 
 
-def state_bytes_per_element(weight_dtype: torch.dtype) -> int:
+def state_bytes_per_element(weight_dtype: torch.dtype, weights: bool = False) -> int:
     """What the owner keeps per element: fp32 masters and two fp32 moments for 16-bit
-    weights; the moments alone for fp32 weights (the flat weights are the masters)."""
-    return 8 if weight_dtype == torch.float32 else 12
+    weights; the moments alone for fp32 weights (the flat weights are the masters); and
+    with `weights` (full sharding) the weight itself, which no other rank keeps."""
+    state = 8 if weight_dtype == torch.float32 else 12
+    return state + (weight_dtype.itemsize if weights else 0)
 
 
 def scratch_elements(range_size: int, bucket_elements: int) -> int:
@@ -30,9 +33,10 @@ def scratch_elements(range_size: int, bucket_elements: int) -> int:
     return min(range_size, bucket_elements)
 
 
-def bytes_needed(range_size: int, weight_dtype: torch.dtype, bucket_elements: int) -> int:
+def bytes_needed(range_size: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False) -> int:
     """Device bytes a range of that many elements takes on its owner."""
-    return range_size * state_bytes_per_element(weight_dtype) + 4 * scratch_elements(range_size, bucket_elements)
+    return range_size * state_bytes_per_element(weight_dtype, weights) + 4 * scratch_elements(range_size,
+                                                                                              bucket_elements)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def layout_from_sizes(sizes: Sequence[int], total: int, who: str) -> ShardLayout
 
 
 def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtype, bucket_elements: int,
-                     who: str) -> ShardLayout:
+                     who: str, weights: bool = False) -> ShardLayout:
     """Ranges proportional to each rank's memory left for the sharded state (bytes, in
     rank order), each within what its rank can hold.
 
@@ -85,14 +89,14 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
     ranks together cannot hold the state of all `total` elements."""
     capacity = []
     for rank, free in enumerate(memory):
-        least = bytes_needed(min(ALIGN, total), weight_dtype, bucket_elements)
+        least = bytes_needed(min(ALIGN, total), weight_dtype, bucket_elements, weights)
         if free < least:
             raise ValueError(f"{who}: rank {rank} has {_size(free)} left for the sharded optimizer state; its "
                              f"smallest range ({min(ALIGN, total)} elements) needs {least:,} bytes. Give that rank "
                              f"more memory (a smaller micro-batch, fewer other tensors) or leave it out")
-        capacity.append(largest_range(free, weight_dtype, bucket_elements))
+        capacity.append(largest_range(free, weight_dtype, bucket_elements, weights))
     if sum(capacity) < total:
-        per = state_bytes_per_element(weight_dtype)
+        per = state_bytes_per_element(weight_dtype, weights)
         raise ValueError(f"{who}: the ranks' memory left for the sharded state ({_size(sum(memory))} in all) holds the "
                          f"state of {sum(capacity):,} of the {total:,} trained elements; {per} bytes per element are "
                          f"needed, {_size((total - sum(capacity)) * per)} more. Add a card or train a smaller model")
@@ -114,9 +118,9 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
     return ShardLayout(tuple([0, *_running(sizes)]))
 
 
-def largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int) -> int:
+def largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False) -> int:
     """The most elements whose state fits `free` bytes (bytes_needed is monotone)."""
-    per = state_bytes_per_element(weight_dtype)
+    per = state_bytes_per_element(weight_dtype, weights)
     size = free // (per + 4)
     if size > bucket_elements:   # the scratch stops growing at one bucket
         size = max(bucket_elements, (free - 4 * bucket_elements) // per)

@@ -52,7 +52,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         start, stop = reducer.range
         self.range = (start, stop)
         device = flat.device
-        self.masters = None if flat.dtype == torch.float32 else flat.weights[start:stop].float()
+        self.masters = None if flat.dtype == torch.float32 else flat.weights_of(start, stop).float()
         if initial_masters is not None:
             self._start_masters_from(initial_masters)
         self.exp_avg = torch.zeros(stop - start, dtype=torch.float32, device=device)
@@ -86,7 +86,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _views_of(self, pieces: list[tuple[int, int]], wires) -> dict[str, list[Tensor]]:
         start = self.range[0]
         local = [(a - start, b - start) for a, b in pieces]
-        weights = [self.flat.weights[a:b] for a, b in pieces]
+        weights = [self.flat.weights_of(a, b) for a, b in pieces]
         return {"grads": [_slice_of(wires, a, b) for a, b in pieces],
                 "params": weights if self.masters is None else [self.masters[a:b] for a, b in local],
                 "exp_avgs": [self.exp_avg[a:b] for a, b in local],
@@ -146,7 +146,10 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def all_gather(self) -> None:
         """Every rank gets every owner's weights: one broadcast per bucket of the flat
-        weights from its owner, in the forward's order."""
+        weights from its owner, in the forward's order. Fully sharded weights are
+        gathered by each layer's next forward instead (hetcomm.shard.weights)."""
+        if self.flat.sharded is not None:
+            return
         reducer = self.reducer
         works = [(b, dist.broadcast(self.flat.weights[b.start:b.stop], src=reducer._owners[b.owner],
                                     group=reducer.group, async_op=True))
@@ -179,7 +182,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                                  f"{None if given is None else given.numel()} elements; this rank's range has {size}")
             tensor.copy_(given.reshape(-1))
         if self.masters is not None:
-            self.flat.weights[self.range[0]:self.range[1]].copy_(self.masters)
+            self.flat.weights_of(*self.range).copy_(self.masters)
         self.all_gather()
 
     def state_dict(self) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hetcomm.comm.collectives import control_device
 from hetcomm.shard.flat import FlatParameters
@@ -30,11 +31,18 @@ class Shard:
             to the model's trained elements.
         micro_batch: the samples of the micro-batch whose activations a probe leaves room
             for; the memory caps probed afterwards fit what the state leaves.
+        weights: shard the 16-bit weights too (hetcomm.shard.weights): each rank keeps
+            its range of them, and each layer unit's weights are gathered for its forward
+            and its backward only; `memory` then also pays for the range's weights.
+        units: with weights, the layer modules gathered one at a time (default: the
+            blocks of the model's largest nn.ModuleList; hetcomm.shard.units).
     """
 
     memory: Sequence[int] | None = None
     ranges: Sequence[int] | None = None
     micro_batch: int = 1
+    weights: bool = False
+    units: Sequence[nn.Module] | None = None
 
     def __post_init__(self):
         if self.memory is not None and self.ranges is not None:
@@ -45,6 +53,10 @@ class Shard:
                              f"non-negative")
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"Shard: micro_batch = {self.micro_batch!r}: expected a positive integer")
+        if not isinstance(self.weights, bool):
+            raise ValueError(f"Shard: weights = {self.weights!r}: expected True (shard the weights too) or False")
+        if self.units is not None and not self.weights:
+            raise ValueError("Shard: units are the layers whose weights are gathered; pass weights=True with them")
 
 
 def probe_state_memory(device: torch.device, step: Callable[[], None] | None) -> int:
@@ -95,4 +107,4 @@ def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: 
                              f"for its range of the optimizer state); only GPUs are probed")
         memory = [0] * world
         dist.all_gather_object(memory, probe())
-    return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who)
+    return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who, weights=shard.weights)
