@@ -9,7 +9,9 @@ import time
 from hetcomm.plan.calibrate import RunProfile, load_run_profile
 from hetcomm.plan.catalog import Catalog, load_catalog
 from hetcomm.plan.cluster import parse_cluster
+from hetcomm.plan.full_shard import CHECKPOINTING, HOST_MEMORY_GIB, OFFLOADS, parse_host_memory
 from hetcomm.plan.hf_config import MODEL_TYPES, resolve_model
+from hetcomm.plan.llama_shape import LLAMA_PRESETS
 from hetcomm.plan.model_shape import ATTENTIONS, BERT_POSITIONS, GELUS, PRESETS
 from hetcomm.plan.planner import WIRE_BYTES, Plan, make_plan, spec_members
 from hetcomm.plan.precision import parse_precision
@@ -59,10 +61,21 @@ def parser() -> argparse.ArgumentParser:
                      help="fused: torch's F.gelu, one kernel (the default); composite: x*0.5*(1+erf(x/sqrt(2))) in "
                           "elementwise ops, as BERT's code had it before transformers 2.x, which keeps two more "
                           "4h-wide tensors per layer for backward (memory only; the step time counts one kernel)")
-    job.add_argument("--shard", action="store_true",
-                     help="the optimizer state (fp32 masters, AdamW's moments) sharded by each card's memory, as "
-                          "hetcomm train --shard keeps it: every card in, and the largest GPT-2 and BERT that fit with "
-                          "and without")
+    job.add_argument("--shard", nargs="?", const="state", choices=("state", "full"),
+                     help="state (a bare --shard): the optimizer state (fp32 masters, AdamW's moments) sharded by "
+                          "each card's memory, as hetcomm train --shard keeps it: every card in, and the largest GPT-2 "
+                          "and BERT that fit with and without; full: the weights, gradients and state too (ZeRO-3 "
+                          "style), each layer unit's weights gathered before its forward and backward, with "
+                          "activation checkpointing decided per card (hetcomm/plan/full_shard.py)")
+    job.add_argument("--offload", choices=OFFLOADS,
+                     help="optimizer: with --shard full, each rank's masters and moments in pinned host memory, "
+                          "stepped by the CPU (host memory per machine and PCIe time are planned)")
+    job.add_argument("--checkpointing", choices=CHECKPOINTING,
+                     help="with --shard full: activation checkpointing per transformer block; auto (the default): on "
+                          "for a card whose samples do not fit one micro-batch without it, off elsewhere")
+    job.add_argument("--host-memory", metavar="GIB",
+                     help=f"with --offload optimizer: each machine's RAM in GiB, one figure for all or one per machine "
+                          f"(default {HOST_MEMORY_GIB:g})")
     job.add_argument("--overlap", action="store_true", help="buckets all-reduced during backward "
                                                             "(WeightedReducer overlap=True)")
     model = p.add_argument_group("the model of speed and memory")
@@ -108,8 +121,29 @@ def _check_numbers(args) -> None:
         raise ValueError(f"--efficiency {args.efficiency}: expected a share of peak in (0, 1]")
 
 
+def _check_sharding(args) -> None:
+    """The options of --shard full, each refused with one line where it means nothing."""
+    if args.offload and args.shard != "full":
+        raise ValueError(f"--offload {args.offload} needs --shard full (the optimizer state offloaded to the host is "
+                         f"planned for full sharding only)")
+    if args.checkpointing and args.shard != "full":
+        raise ValueError(f"--checkpointing {args.checkpointing} needs --shard full (activation checkpointing is "
+                         f"planned for full sharding only)")
+    if args.simulate and args.shard == "full":
+        raise ValueError("--simulate steps the plan with the all-reduce trainer's rebalancer; it does not model "
+                         "--shard full's lock-step micro-steps")
+    if args.host_memory is not None and not args.offload:
+        raise ValueError(f"--host-memory {args.host_memory} only counts with --offload optimizer")
+
+
+def _shard_options(args, machines: int) -> dict:
+    return {"shard": args.shard or False, "offload": args.offload, "checkpointing": args.checkpointing,
+            "host_memory": parse_host_memory(args.host_memory, machines)}
+
+
 def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
     _check_numbers(args)
+    _check_sharding(args)
     profile = load_run_profile(args.profile, *_steps(args.profile_steps)) if args.profile else None
     if args.cluster is None and profile is None:
         raise ValueError("nothing to plan: give --cluster (e.g. --cluster \"2x1080ti,1xv100,4xt4\") or --profile "
@@ -142,33 +176,44 @@ def build_plan(args, catalog: Catalog) -> tuple[Plan, RunProfile | None]:
                                attention=args.attention or ("eager" if model.kind == "bert" else "fused"),
                                gelu=args.gelu)
     plan = make_plan(members, model, seq, global_batch, in_node=in_node, between_nodes=between, wire=args.wire,
-                     overlap=args.overlap, memory_fraction=args.memory_fraction, shard=args.shard)
+                     overlap=args.overlap, memory_fraction=args.memory_fraction,
+                     **_shard_options(args, max(m.node for m in members) + 1))
     return plan, profile
 
 
 def largest_models(args, catalog: Catalog, seq: int, global_batch: int) -> dict[str, dict[str, str | None]]:
     """The largest GPT-2 and BERT presets that the --cluster trains at this --seq (BERT's
     capped at its positions) and global batch, on all its cards and on some, with the
-    optimizer state sharded and not."""
+    optimizer state sharded and not; with --shard full also fully sharded, with and
+    without the optimizer state offloaded, and the Llama-3.2 family besides."""
     cluster = parse_cluster(args.cluster, catalog)
     precision = parse_precision(args.precision, catalog, [entry.device for entry in cluster])
+    modes: list[tuple[str, dict]] = [("", {}), ("_sharded", {"shard": "state"})]
+    families = [("GPT-2", "gpt2-"), ("BERT", "bert-")]
+    if args.shard == "full":
+        full = {"shard": "full", "checkpointing": args.checkpointing,
+                "host_memory": parse_host_memory(args.host_memory, max(e.node for e in cluster) + 1)}
+        modes += [("_full", full), ("_offload", {**full, "offload": "optimizer"})]
+        families.append(("Llama-3.2", "llama-3.2-"))
     found: dict[str, dict[str, str | None]] = {}
-    for family, prefix in (("GPT-2", "gpt2-"), ("BERT", "bert-")):
-        found[family] = {"all": None, "any": None, "all_sharded": None, "any_sharded": None}
-        shapes = sorted((s for n, s in PRESETS.items() if n.startswith(prefix) and not n.endswith("-qa")),
+    for family, prefix in families:
+        found[family] = {where + suffix: None for suffix, _ in modes for where in ("all", "any")}
+        presets = LLAMA_PRESETS if family == "Llama-3.2" else PRESETS
+        shapes = sorted((s for n, s in presets.items() if n.startswith(prefix) and not n.endswith("-qa")),
                         key=lambda s: s.parameters(seq))
         for shape in shapes:
             length = min(seq, BERT_POSITIONS) if shape.kind == "bert" else seq
             members = spec_members(cluster, shape, length, precision=precision, wire=args.wire,
                                    memory_fraction=args.memory_fraction,
-                                   attention=args.attention or ("eager" if shape.kind == "bert" else "fused"),
-                                   gelu=args.gelu)
-            for sharded, suffix in ((False, ""), (True, "_sharded")):
+                                   attention="fused" if shape.kind == "llama" else
+                                   args.attention or ("eager" if shape.kind == "bert" else "fused"),
+                                   gelu="fused" if shape.kind == "llama" else args.gelu)
+            for suffix, options in modes:
                 try:
                     plan = make_plan(members, shape, length, max(global_batch, len(members)), in_node=catalog.link(
                         args.intra or DEFAULTS["intra"]), between_nodes=catalog.link(args.net or DEFAULTS["net"]),
                                      wire=args.wire, find_slow_cards=False, memory_fraction=args.memory_fraction,
-                                     shard=sharded)
+                                     **options)
                 except ValueError:
                     continue
                 found[family]["any" + suffix] = shape.name

@@ -176,3 +176,13 @@ class LlamaShape:
         return (f"{self.name}: {self.family}, {self.parameters() / 1e6:.1f}M parameters, {self.n_layer} layers, "
                 f"{self.n_head} heads ({self.n_kv_head} key/value), width {self.n_embd}, MLP {self.intermediate}, "
                 f"vocabulary {self.vocab_size} ({head} head)")
+
+
+# Meta's Llama-3.2 1B and 3B (examples/configs/llama-3.2-*.json): the family whose largest
+# member `hetcomm plan --shard full` names beside GPT-2's and BERT's.
+LLAMA_PRESETS = {shape.name: shape for shape in (
+    LlamaShape("llama-3.2-1b", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, head_dim=64, intermediate=8192,
+               vocab_size=128256, tied=True, max_positions=131072),
+    LlamaShape("llama-3.2-3b", n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, head_dim=128, intermediate=8192,
+               vocab_size=128256, tied=True, max_positions=131072),
+)}

@@ -21,11 +21,17 @@ from hetcomm.plan.catalog import Device, Link
 from hetcomm.plan.cluster import ClusterDevice
 from hetcomm.plan.cost import (BANDWIDTH_EFFICIENCY, CONTEXT_BYTES, AllReduceCost, DeviceCost, all_reduce_cost,
                                device_cost, exposed_communication)
+from hetcomm.plan.full_shard import (CHECKPOINTING, HOST_BANDWIDTH_GBS, HOST_MEMORY_GIB, HOST_UPDATE_BYTES, OFFLOADS,
+                                     FullCard, FullShardDoesNotFit, FullShardPlan, HostMemory, _collective,
+                                     checkpointed_member, device_update_bytes_per_element, full_caps, full_ranges,
+                                     full_room, host_bytes_per_element, lock_step_compute, micro_steps, pcie_gbs,
+                                     persistent_bytes_per_element)
 from hetcomm.plan.model_shape import ModelShape
 from hetcomm.plan.precision import CHOICES as PRECISION_CHOICES, PrecisionChoice
 from hetcomm.plan.shard import (DTYPES, UPDATE_BYTES_PER_ELEMENT, ShardPlan, StateDoesNotFit, bucket_elements,
                                 shard_collectives, shard_ranges, shard_room, state_bytes_per_element)
 
+GIB = 2**30
 WIRE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKWARD_SHARE = 2 / 3   # backward does two of the three matmuls per weight
 # A removal must make the step at least this much faster to name a card as slowing the
@@ -85,6 +91,7 @@ class Plan:
     single_device_s: float        # its time for the whole global batch alone
     slow_cards: tuple[SlowCard, ...] = field(default=())
     shard: ShardPlan | None = None   # the optimizer state sharded by memory (--shard)
+    full: FullShardPlan | None = None   # weights, gradients and state sharded by memory (--shard full)
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,16 +168,41 @@ def _trains(member: Member) -> bool:
 
 def make_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, *, in_node: Link,
               between_nodes: Link, wire: str = "fp16", overlap: bool = False, find_slow_cards: bool = True,
-              memory_fraction: float = 0.9, shard: bool = False) -> Plan:
+              memory_fraction: float = 0.9, shard: bool | str = False, offload: str | None = None,
+              checkpointing: str | None = None, host_memory: float | Sequence[float] = HOST_MEMORY_GIB) -> Plan:
     """The plan for `members` (rank order). Devices that cannot hold one sample are
     left out (with the reason); ValueError when none can (saying what would make the
     model fit on the catalogued card with the most memory), or when the global batch is smaller than the number
     of devices (every device takes at least one sample, as in the trainer). With
-    `shard`, the optimizer state is sharded by memory (hetcomm.plan.shard)."""
+    `shard` True or "state", the optimizer state is sharded by memory (hetcomm.plan.shard);
+    with "full", the weights, gradients and state (hetcomm.plan.full_shard), with
+    `offload` "optimizer" the state in host memory (`host_memory` GiB per machine: one
+    figure or one per machine), `checkpointing` "auto" (the default), "on" or "off"."""
     if wire not in WIRE_BYTES:
         raise ValueError(f"--wire {wire!r}: expected one of {', '.join(WIRE_BYTES)}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"--global-batch {global_batch!r}: expected a positive integer")
+    if shard not in (False, True, None, "state", "full"):
+        raise ValueError(f"--shard {shard!r}: expected state (the default) or full")
+    if offload is not None and offload not in OFFLOADS:
+        raise ValueError(f"--offload {offload!r}: expected {' or '.join(OFFLOADS)}")
+    if checkpointing is not None and checkpointing not in CHECKPOINTING:
+        raise ValueError(f"--checkpointing {checkpointing!r}: expected one of {', '.join(CHECKPOINTING)}")
+    if shard != "full":
+        if offload is not None:
+            raise ValueError(f"--offload {offload} needs --shard full (the optimizer state offloaded to the host is "
+                             f"modelled for full sharding only)")
+        if checkpointing is not None:
+            raise ValueError(f"--checkpointing {checkpointing} needs --shard full (activation checkpointing is "
+                             f"planned for full sharding only)")
+    if shard == "full":
+        try:
+            return _full_plan(members, model, seq, global_batch, in_node, between_nodes, wire,
+                              checkpointing or "auto", offload is not None, host_memory)
+        except FullShardDoesNotFit as error:
+            advice = full_advice(members, model, seq, wire, memory_fraction, checkpointing or "auto",
+                                 offload is not None)
+            raise ValueError(f"{error}.{advice}") from None
     if shard:
         try:
             return _sharded_plan(members, model, seq, global_batch, in_node, between_nodes, wire, overlap)
@@ -288,6 +320,155 @@ def _sharded_plan(members: Sequence[Member], model: ModelShape, seq: int, global
                 single_device_s=alone + alone_update, shard=sharded)
 
 
+def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_batch: int, in_node: Link,
+               between_nodes: Link, wire: str, checkpointing: str, offload: bool,
+               host_memory: float | Sequence[float]) -> Plan:
+    """make_plan with weights, gradients and optimizer state sharded by memory
+    (hetcomm.plan.full_shard): the room and caps, checkpointing per card, the split by
+    speed under the caps, the ranges by what each card has left beside its micro-batch."""
+    fits, out, weights, units, figures, rooms = full_room(members, model, seq, checkpointing, offload)
+    left_out = tuple(LeftOut(m, reason) for m, reason in out)
+    if not fits:
+        raise ValueError(f"{model.name} at --seq {seq} fits on none of the devices, even fully sharded: "
+                         f"{left_out[0].member.label}: {left_out[0].reason}")
+    if global_batch < len(fits):
+        raise ValueError(f"--global-batch {global_batch} is smaller than the {len(fits)} devices that can train: "
+                         f"every device takes at least one sample per step; use --global-batch {len(fits)} or "
+                         f"more, or fewer devices")
+    parameters = model.parameters(seq)
+    per = persistent_bytes_per_element(weights, offload)
+    caps = full_caps(figures, rooms, parameters, per)
+    recomputing = [checkpointed_member(m, model, seq, card.on) for m, card in zip(fits, figures)]
+    link = ring_link({m.node for m in fits}, in_node, between_nodes)
+    ranks, w = len(fits), DTYPES[weights].itemsize
+    gather = _collective(ranks, parameters, w, len(units), link, "all-gather")
+    reduce = _collective(ranks, parameters, WIRE_BYTES[wire], len(units), link, "reduce-scatter")
+    first = (_collective(ranks, units[0], w, 1, link, "").seconds
+             + _collective(ranks, units[0], WIRE_BYTES[wire], 1, link, "").seconds)
+
+    def exposed(compute_: float, rounds_: int) -> tuple[float, float]:
+        collectives_ = rounds_ * (2 * gather.seconds + reduce.seconds)
+        return collectives_, (max(rounds_ * first, collectives_ - compute_) if ranks > 1 else 0.0)
+
+    best = None
+    for rounds in range(1, global_batch // ranks + 1):
+        found = _full_rounds(global_batch, rounds, fits, recomputing, caps, checkpointing)
+        if found is None:
+            continue
+        seconds = found[2] + exposed(found[2], rounds)[1]
+        if best is None or seconds < best[0] - 1e-12:
+            best = (seconds, rounds, *found)
+    if best is None:
+        raise ValueError(f"--global-batch {global_batch}: too small to give each of the {ranks} cards a sample in "
+                         f"every micro-step within their micro-batch caps {[max(c) for c in caps]}; use a larger one")
+    _, rounds, chosen, split, compute = best
+    planned = [max(micro) for micro in split.micro_batches]
+
+    def frees_of(chosen_):
+        return [card.base - (card.on if on else card.off) * micro for card, on, micro in zip(figures, chosen_, planned)]
+
+    if checkpointing == "auto":
+        # Off again wherever the planned micro-batch fits without it, the ranges still
+        # holding every element (the caps of step 2 were conservative).
+        for rank in range(ranks):
+            trial = [on and i != rank for i, on in enumerate(chosen)]
+            if chosen[rank] and sum(frees_of(trial)) >= per * parameters and min(frees_of(trial)) >= 0:
+                chosen = trial
+    training = [r if on else m for m, r, on in zip(fits, recomputing, chosen)]
+    compute, _ = lock_step_compute(training, split.micro_batches)
+    times = tuple(sum(m.cost.fixed + m.cost.per_sample * b for b in micro)
+                  for m, micro in zip(training, split.micro_batches))
+    split = replace(split, rank_times=times, step_time=max(times))
+    frees = frees_of(chosen)
+    sizes = full_ranges(frees, parameters, per)
+    # The update of each range: on its card, or copied to and from the host and stepped there.
+    host, host_seconds = [], {}
+    if offload:
+        limits = (host_memory,) if isinstance(host_memory, (int, float)) else tuple(host_memory)
+        nodes = sorted({m.node for m in training})
+        for node in nodes:
+            on_node = [i for i, m in enumerate(training) if m.node == node]
+            used = sum(sizes[i] for i in on_node) * host_bytes_per_element(weights)
+            limit = (limits[0] if len(limits) == 1 else limits[node]) * GIB
+            seconds = sum(sizes[i] for i in on_node) * HOST_UPDATE_BYTES / (HOST_BANDWIDTH_GBS * 1e9)
+            host_seconds[node] = seconds
+            host.append(HostMemory(node, len(on_node), used, limit, seconds))
+            if used > limit:
+                raise ValueError(f"--offload optimizer: machine {node}'s {len(on_node)} card"
+                                 f"{'s' if len(on_node) > 1 else ''} keep {used / GIB:.1f} GiB of optimizer state "
+                                 f"and gradient staging in pinned host memory ({host_bytes_per_element(weights)} B "
+                                 f"an element of their ranges), more than its {limit / GIB:g} GiB (--host-memory)")
+    cards, final = [], []
+    for m, card, on, micro, free, size in zip(training, figures, chosen, planned, frees, sizes):
+        if offload:
+            pcie = size * (4 + w) / (pcie_gbs(m.device) * 1e9)
+            update = pcie + host_seconds[m.node]
+        else:
+            pcie = 0.0
+            update = size * device_update_bytes_per_element(weights) / (m.device.bandwidth_gbs * 1e9
+                                                                         * BANDWIDTH_EFFICIENCY)
+        state = 0 if offload else size * (per - w - 4)
+        full = FullCard(micro, on, size, size * w, size * 4, state, 2 * max(units) * w, 2 * max(units) * w,
+                        CONTEXT_BYTES, m.cost.activation_bytes * micro, m.cost.activation_bytes, m.cost.memory_bytes,
+                        free, size * host_bytes_per_element(weights) if offload else 0, pcie, update)
+        cards.append(full)
+        final.append(replace(m, cost=replace(m.cost, cap=micro, update_seconds=update,
+                                             state_bytes=full.held_bytes - full.activation_bytes)))
+    collectives, exposed_s = exposed(compute, rounds)
+    update_s = max(card.update_seconds for card in cards)
+    slowest = max(range(ranks), key=lambda rank: cards[rank].update_seconds)
+    equal = [micro_steps(size, cap) for size, cap in zip(equal_split(global_batch, ranks), planned)]
+    equal_compute, equal_rounds = lock_step_compute(final, equal)
+    fastest = min(final, key=lambda m: m.cost.per_sample)
+    alone = predict_rank_times([global_batch], [(fastest.cost.fixed, fastest.cost.per_sample)], [fastest.cost.cap])[0]
+    alone_update = parameters * device_update_bytes_per_element(weights) / (fastest.device.bandwidth_gbs * 1e9
+                                                                            * BANDWIDTH_EFFICIENCY)
+    plan_full = FullShardPlan(weights, offload, checkpointing, per, units, tuple(cards), gather, reduce, rounds,
+                              first, collectives, slowest, tuple(host))
+    all_reduce = AllReduceCost(collectives, rounds * (2 * gather.wire_bytes + reduce.wire_bytes),
+                               rounds * 3 * len(units), "2 all-gathers + reduce-scatter a micro-step")
+    return Plan(model=model, seq=seq, global_batch=global_batch, wire=wire, overlap=True, link=link,
+                members=tuple(final), left_out=left_out, split=split, compute_s=compute, all_reduce=all_reduce,
+                exposed_comm_s=exposed_s, update_s=update_s, step_s=compute + exposed_s + update_s,
+                equal_step_s=equal_compute + exposed(equal_compute, equal_rounds)[1] + update_s,
+                single_device=fastest.label, single_device_s=alone + alone_update, full=plan_full)
+
+
+def _full_rounds(global_batch: int, rounds: int, plain: Sequence[Member], recomputing: Sequence[Member],
+                 caps: Sequence[tuple[int, int]], checkpointing: str):
+    """The global batch in `rounds` lock-step micro-steps (every rank runs each one: the
+    weights are gathered from every rank), each split by speed under the caps by the
+    balancer's solver, with checkpointing per card: (chosen, split, lock-step compute),
+    or None when the caps cannot hold a round or a round has fewer samples than cards."""
+    ranks = len(plain)
+    base, extra = divmod(global_batch, rounds)
+    if base < ranks:
+        return None
+    chosen = [checkpointing == "on" or (checkpointing == "auto" and off == 0) for off, _ in caps]
+    while True:
+        training = [r if on else m for m, r, on in zip(plain, recomputing, chosen)]
+        profiles = [(m.cost.fixed, m.cost.per_sample) for m in training]
+        if checkpointing != "auto":
+            break
+        # On where a card's share of a micro-step, split by speed, does not fit without it.
+        wanted = solve_split(base + (extra > 0), profiles).sizes
+        more = [on or (want > off and both > off) for on, want, (off, both) in zip(chosen, wanted, caps)]
+        if more == chosen:
+            break
+        chosen = more
+    limits = [both if on else off for on, (off, both) in zip(chosen, caps)]
+    if sum(limits) < base + (extra > 0):
+        return None
+    solved = {size: solve_split(size, profiles, limits, "move") for size in {base, base + (extra > 0)}}
+    sizes_by_round = [base + 1] * extra + [base] * (rounds - extra)
+    micro = tuple(tuple(solved[size].sizes[rank] for size in sizes_by_round) for rank in range(ranks))
+    times = tuple(sum(a + c * m for m in steps) for (a, c), steps in zip(profiles, micro))
+    compute = sum(solved[size].step_time for size in sizes_by_round)
+    split = Split(sizes=tuple(sum(steps) for steps in micro), micro_batches=micro, rank_times=times,
+                  step_time=max(times), equal_step_time=0.0, policy="rounds")
+    return chosen, split, compute
+
+
 def expected_slowest(times: Sequence[float], jitter: Sequence[float]) -> float:
     """E[max_i t_i·exp(σ_i·z_i)], z_i standard normal: a synchronous step waits for the
     unluckiest rank, and a balanced split makes every rank a candidate. Exact (the max)
@@ -349,6 +530,39 @@ def shard_advice(members: Sequence[Member], model: ModelShape, seq: int, wire: s
             pass
         shorter //= 2
     return f"It would fit on {more} (a shorter --seq does not make room enough: the weights and gradients take it)."
+
+
+def full_advice(members: Sequence[Member], model: ModelShape, seq: int, wire: str, memory_fraction: float,
+                checkpointing: str, offload: bool) -> str:
+    """What would make a fully sharded model fit: the optimizer state offloaded, or the
+    longest shorter sequence (halving) at which it fits."""
+    if not all(m.device for m in members):
+        return ""
+
+    def fits(seq_: int, offload_: bool) -> bool:
+        costed = [replace(m, cost=device_cost(m.device, model, seq_, m.cost.precision, wire_bytes=WIRE_BYTES[wire],
+                                              memory_fraction=memory_fraction, attention=m.cost.attention,
+                                              gelu=m.cost.gelu)) for m in members]
+        try:
+            return bool(full_room(costed, model, seq_, checkpointing, offload_)[0])
+        except FullShardDoesNotFit:
+            return False
+
+    def longest_shorter(offload_: bool) -> int:
+        shorter = seq // 2
+        while shorter >= 1 and not fits(shorter, offload_):
+            shorter //= 2
+        return shorter
+
+    ways = []
+    if not offload and fits(seq, True):
+        ways.append("with --offload optimizer (the masters and moments in host memory)")
+    shorter = longest_shorter(offload)
+    if shorter >= 1:
+        ways.append(f"at --seq {shorter}" + (" with" if offload else " without") + " offload")
+    elif not offload and not ways and longest_shorter(True) >= 1:
+        ways.append(f"at --seq {longest_shorter(True)} with --offload optimizer")
+    return (" It would fit " + " or ".join(ways) + ".") if ways else ""
 
 
 def fit_advice(members: Sequence[Member], model: ModelShape, seq: int, *, wire: str, memory_fraction: float) -> str:

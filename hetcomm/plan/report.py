@@ -4,6 +4,8 @@ from itertools import groupby
 
 from hetcomm.plan.calibrate import RunProfile
 from hetcomm.plan.cost import BANDWIDTH_EFFICIENCY
+from hetcomm.plan.full_shard import (HOST_BANDWIDTH_GBS, HOST_UPDATE_BYTES, RECOMPUTE_SHARE,
+                                     device_update_bytes_per_element, host_bytes_per_element, pcie_gbs)
 from hetcomm.plan.model_shape import BERT_POSITIONS
 from hetcomm.plan.planner import Member, Plan
 from hetcomm.plan.shard import UPDATE_BYTES_PER_ELEMENT
@@ -48,7 +50,31 @@ def plan_dict(plan: Plan) -> dict:
         "slow_cards": [{"device": s.name, "label": s.label, "removed": s.removed, "step_s": s.step_s,
                         "faster": s.faster} for s in plan.slow_cards],
         "shard": None if plan.shard is None else _shard_dict(plan),
+        "full_shard": None if plan.full is None else _full_dict(plan),
     }
+
+
+def _full_dict(plan: Plan) -> dict:
+    full = plan.full
+    return {"weight_dtype": full.weight_dtype, "offload": "optimizer" if full.offload else None,
+            "checkpointing": full.checkpointing, "persistent_bytes_per_element": full.persistent_bytes_per_element,
+            "units": len(full.units), "largest_unit_elements": full.largest_unit, "micro_steps": full.micro_steps,
+            "all_gather_s": full.all_gather.seconds, "reduce_scatter_s": full.reduce_scatter.seconds,
+            "all_gather_bytes_per_rank": full.all_gather.wire_bytes,
+            "reduce_scatter_bytes_per_rank": full.reduce_scatter.wire_bytes,
+            "collectives_s": full.collectives_s, "exposed_comm_s": plan.exposed_comm_s,
+            "update_s": plan.update_s, "update_rank": full.slowest_update,
+            "host": [{"machine": h.machine, "cards": h.cards, "used_bytes": h.used_bytes,
+                      "limit_bytes": h.limit_bytes, "update_s": h.update_seconds} for h in full.host],
+            "cards": [{"rank": rank, "device": m.name, "machine": m.node, "micro_batch": c.micro_batch,
+                       "checkpointing": c.checkpointing, "elements": c.elements, "share": c.elements / full.elements,
+                       "weights_bytes": c.weights_bytes, "gradient_bytes": c.gradient_bytes,
+                       "state_bytes": c.state_bytes, "gathered_bytes": c.gathered_bytes,
+                       "unit_gradient_bytes": c.unit_gradient_bytes, "context_bytes": c.context_bytes,
+                       "activation_bytes": c.activation_bytes, "activation_bytes_per_sample": c.activation_per_sample,
+                       "held_bytes": c.held_bytes, "usable_bytes": c.usable_bytes, "free_bytes": c.free_bytes,
+                       "host_bytes": c.host_bytes, "pcie_s": c.pcie_seconds, "update_s": c.update_seconds}
+                      for rank, (m, c) in enumerate(zip(plan.members, full.cards))]}
 
 
 def _shard_dict(plan: Plan) -> dict:
@@ -84,10 +110,14 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
     machines = len({m.node for m in plan.members})
     reduction = "all-reduce" if plan.shard is None else "reduce-scatter"
     collectives = "all-reduce" if plan.shard is None else "reduce-scatter and all-gather"
+    overlap = (f", {reduction} overlapped with backward" if plan.overlap else f", {reduction} after backward")
+    if plan.full is not None:
+        collectives = "all-gathers and reduce-scatters"
+        overlap = ", weights gathered and gradients reduce-scattered unit by unit, overlapped with compute"
     lines = [f"hetcomm plan: {plan.model.describe(plan.seq)}",
              f"  seq {plan.seq}, global batch {plan.global_batch} sequences, {plan.members[0].cost.attention} "
              f"attention, {'composite GELU, ' if plan.members[0].cost.gelu == 'composite' else ''}{plan.wire} wire"
-             + (f", {reduction} overlapped with backward" if plan.overlap else f", {reduction} after backward"),
+             + overlap,
              f"  {len(plan.members)} devices on {machines} machine{'s' if machines > 1 else ''}; {collectives} "
              f"paced by "
              f"{plan.link.label} ({plan.link.bandwidth_gbs:.2f} GB/s, {plan.link.latency_us:g} us)"]
@@ -118,6 +148,8 @@ def plan_text(plan: Plan, profile: RunProfile | None, planning_seconds: float,
     all_reduce = plan.all_reduce
     if plan.shard is not None:
         lines += _shard_lines(plan)
+    elif plan.full is not None:
+        lines += _full_lines(plan)
     else:
         lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} + all-reduce "
                      f"{_seconds(plan.exposed_comm_s)} (of a {_seconds(all_reduce.seconds)} {all_reduce.algorithm}, "
@@ -186,6 +218,61 @@ def _shard_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _full_lines(plan: Plan) -> list[str]:
+    """Per card, what it holds fully sharded, its checkpointing and range; then the step."""
+    full = plan.full
+    w = 4 if full.weight_dtype == "fp32" else 2
+    state = "" if full.offload else (" + fp32 moments" if full.weight_dtype == "fp32" else " + fp32 master and moments")
+    where = " (the optimizer state offloaded to host memory)" if full.offload else ""
+    lines = [f"  fully sharded by memory{where}: P = {full.elements:,} elements of {full.weight_dtype} weights in "
+             f"{len(full.units)} layer units (largest {full.largest_unit / 1e6:.1f}M elements); each card holds its "
+             f"range's weights ({w} B) + fp32 gradient accumulator (4 B){state}: "
+             f"{full.persistent_bytes_per_element} B an element, two units' gathered weights and two units' "
+             f"gradients ({4 * full.largest_unit * w / GIB:.2f} GiB) and its micro-batch's activations",
+             f"  {'GiB per card':<26} {'ckpt':>4} {'micro':>5} {'weights':>7} {'grads':>6} {'state':>6} "
+             f"{'units':>6} {'ctx':>4} {'activ':>6} {'held/usable':>12} {'range':>6}"]
+    for member, card in zip(plan.members, full.cards):
+        held = f"{card.held_bytes / GIB:.1f}/{card.usable_bytes / GIB:.1f}"
+        lines.append(f"  {member.label[:26]:<26} {'on' if card.checkpointing else 'off':>4} {card.micro_batch:>5} "
+                     f"{card.weights_bytes / GIB:>7.2f} {card.gradient_bytes / GIB:>6.2f} "
+                     f"{card.state_bytes / GIB:>6.2f} "
+                     f"{card.transient_bytes / GIB:>6.2f} {card.context_bytes / GIB:>4.1f} "
+                     f"{card.activation_bytes / GIB:>6.2f} {held:>12} {card.elements / full.elements:>6.1%}")
+    if any(card.checkpointing for card in full.cards):
+        lines.append(f"  checkpointing ({full.checkpointing}): each block keeps its fp32 input and recomputes its "
+                     f"forward in the backward (+{RECOMPUTE_SHARE:.2f} of the blocks' time);"
+                     + (" on where the card's samples do not fit one micro-batch without it"
+                        if full.checkpointing == "auto" else ""))
+    lines.append("")
+    ag, rs = full.all_gather, full.reduce_scatter
+    lines.append(f"  predicted step {_seconds(plan.step_s)} = compute {_seconds(plan.compute_s)} (lock-step over "
+                 f"{full.micro_steps} micro-step{'s' if full.micro_steps > 1 else ''}) + gathers/reduces "
+                 f"{_seconds(plan.exposed_comm_s)} exposed (of {_seconds(full.collectives_s)}) + update "
+                 f"{_seconds(plan.update_s)}")
+    lines.append(f"    each micro-step: 2 all-gathers of the weights ({_seconds(ag.seconds)}, "
+                 f"{ag.wire_bytes / 2**20:,.0f} MiB sent per rank, each) + a reduce-scatter of the gradients "
+                 f"({_seconds(rs.seconds)}, {rs.wire_bytes / 2**20:,.0f} MiB): 1.5x a ring all-reduce's bytes at a "
+                 f"16-bit wire; hidden behind compute except the first unit's gather and the last unit's reduce "
+                 f"({_seconds(full.first_unit_s)})")
+    slowest, card = plan.members[full.slowest_update], full.cards[full.slowest_update]
+    if full.offload:
+        lines.append(f"    update: rank {full.slowest_update} ({slowest.label}, {card.elements / full.elements:.1%}): "
+                     f"PCIe {_seconds(card.pcie_seconds)} (4 B an element down, {w} B up at "
+                     f"{pcie_gbs(slowest.device):g} GB/s) + its machine's CPU AdamW "
+                     f"{_seconds(card.update_seconds - card.pcie_seconds)} ({HOST_UPDATE_BYTES} B an element at "
+                     f"{HOST_BANDWIDTH_GBS:g} GB/s)")
+        for host in full.host:
+            lines.append(f"    host memory, machine {host.machine}: {host.used_bytes / GIB:.1f} of "
+                         f"{host.limit_bytes / GIB:g} GiB pinned ({host_bytes_per_element(full.weight_dtype)} B an "
+                         f"element of its {host.cards} card{'s' if host.cards > 1 else ''}' ranges)")
+    else:
+        bandwidth = f"{slowest.device.bandwidth_gbs:g} GB/s" if slowest.device else "its bandwidth"
+        lines.append(f"    update: the slowest owner's, rank {full.slowest_update} ({slowest.label}, "
+                     f"{card.elements / full.elements:.1%}): {device_update_bytes_per_element(full.weight_dtype)} B "
+                     f"an element at {bandwidth} x {BANDWIDTH_EFFICIENCY:g}")
+    return lines
+
+
 def largest_lines(largest: dict[str, dict[str, str | None]], cards: int, seq: int, global_batch: int) -> list[str]:
     """The largest preset of each family that trains with and without sharding."""
     lines = []
@@ -193,8 +280,15 @@ def largest_lines(largest: dict[str, dict[str, str | None]], cards: int, seq: in
         def name(key: str) -> str:
             return found[key] or "none"
         at = f"seq {min(seq, BERT_POSITIONS)}" if family == "BERT" else f"seq {seq}"
-        some = (f"; on some of them: {name('any')} unsharded, {name('any_sharded')} sharded" if cards > 1 else "")
         where = f"all {cards} cards" if cards > 1 else "its card"
+        if "all_full" in found:
+            def modes(scope: str) -> str:
+                return (f"{name(scope)} unsharded, {name(scope + '_sharded')} state sharded, "
+                        f"{name(scope + '_full')} fully sharded, {name(scope + '_offload')} with offload")
+            some = f"; on some of them: {modes('any')}" if cards > 1 else ""
+            lines.append(f"  largest {family} ({at}, batch {global_batch}) on {where}: {modes('all')}{some}")
+            continue
+        some = (f"; on some of them: {name('any')} unsharded, {name('any_sharded')} sharded" if cards > 1 else "")
         lines.append(f"  largest {family} ({at}, batch {global_batch}) on {where}: {name('all')} unsharded, "
                      f"{name('all_sharded')} sharded{some}")
     return lines
