@@ -26,6 +26,7 @@ from hetcomm.shard import FlatParameters, ShardedReducer
 from hetcomm.simulated import stretch_as_it_goes
 from hetcomm.shard.layout import bytes_needed
 from hetcomm.shard.spec import Shard, agree_layout, probe_state_memory
+from hetcomm.shard.streamed import StreamedReducer
 from hetcomm.shard.units import plan_units
 from hetcomm.shard.weights import ShardedWeights
 
@@ -102,6 +103,8 @@ class BalancedLoop(TimedSteps):
             micro-batches in a step (a short share is padded with a micro-batch whose loss
             counts zero), so that the layers' gathers meet; the handoff is off, and the
             memory caps must be given (a probe would run different sizes on each rank).
+            By default the gradients are streamed onto their owners layer by layer and
+            never held whole (hetcomm.shard.streamed; Shard.gradients).
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
             stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
             the stretch paid after each leaf module's forward and each gradient.
@@ -208,7 +211,7 @@ class BalancedLoop(TimedSteps):
                                  "`hetcomm plan --shard full` gives them); a probe would hold the whole model")
             plan = plan_units(self.model, params, shard.units, "BalancedLoop")
             params = plan.flat_order()
-        self.flat = FlatParameters(params, "BalancedLoop")
+        self.flat = FlatParameters(params, "BalancedLoop", whole_grads=not shard.streamed)
         bucket_elements = max(1, int(bucket_cap_mb * 2**20) // self.flat.dtype.itemsize)
 
         def probe() -> int:
@@ -225,12 +228,17 @@ class BalancedLoop(TimedSteps):
         layout = agree_layout(shard, self.flat, bucket_elements, "BalancedLoop", probe)
         if plan is not None:
             self.sharded_weights = ShardedWeights(self.flat, plan, layout, timeout)
+        if shard.streamed:
+            return StreamedReducer(self.flat, layout, self.sharded_weights, wire_dtype=wire_dtype,
+                                   bucket_cap_mb=bucket_cap_mb, timeout=timeout, gather_size=len(GATHERED))
         return ShardedReducer(self.flat, layout, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
                               timeout=timeout, gather_size=len(GATHERED), overlap=bool(overlap))
 
     def zero_grads(self) -> None:
         """Zeros the trained gradients before a step (keeping a sharded loop's flat views)."""
-        if self.flat is not None:
+        if isinstance(self.reducer, StreamedReducer):
+            self.reducer.zero_grads()   # what is on its way lands first
+        elif self.flat is not None:
             self.flat.zero_grads()
         else:
             self.model.zero_grad(set_to_none=True)
@@ -473,7 +481,9 @@ class BalancedLoop(TimedSteps):
             start, stop = self.reducer.range
             wire = 0 if self.reducer.in_place else self.flat.total * self.reducer.wire_dtype.itemsize
             bucket = max((b.numel for b in self.reducer.buckets), default=0)
-            return bytes_needed(stop - start, self.flat.dtype, bucket) + wire
+            streamed = isinstance(self.reducer, StreamedReducer)
+            return bytes_needed(stop - start, self.flat.dtype, bucket, self.sharded_weights is not None,
+                                streamed) + wire
         elements = sum(p.numel() for p in self.trained_params)
         return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
 

@@ -118,6 +118,7 @@ class LoopStep:
         self._last: bool | str = False
         self._settle = no_stretch           # brings the simulated speed's stretch up to now
         self._padding = False               # the micro-batch yielded only aligns sharded weights' gathers
+        self._stream_total: float | None = None   # streamed gradients' divisor (_streamed_total)
 
     # --- the micro-batches -----------------------------------------------------------
 
@@ -382,7 +383,8 @@ class LoopStep:
         elif self._cut is None and self._last == "unless it receives":
             self._arm(may_send=self._receives_nothing)
         total = loss.reshape(()) * count if reduction == "mean" else loss.reshape(())
-        (total * (self.scale / (self.normaliser * (per_sample or 1)))).backward()
+        divisor = self._streamed_total() if self._streamed() else self.normaliser * (per_sample or 1)
+        (total * (self.scale / divisor)).backward()
         self.loss_sum = self.loss_sum + total.detach().float()
         self.count = self.count + count
 
@@ -395,6 +397,18 @@ class LoopStep:
                 return False
             mine.reports, mine.plan = self._read_reports(mine.work, mine.table)
         return not (mine.plan and mine.plan.received[self.loop.rank])
+
+    def _streamed(self) -> bool:
+        return getattr(self.loop.reducer, "streams", False)
+
+    def _streamed_total(self) -> float:
+        """What streamed gradients divide every micro-batch's summed loss by: an expected
+        total the same on every rank and fixed for the step (the reducer corrects it to
+        the step's real total)."""
+        if self._stream_total is None:
+            expected = self.loop.expected_total(self.step_samples)
+            self._stream_total = expected or float(self.step_samples * (self.loop.items_per_sample or 1))
+        return self._stream_total
 
     def _divisor(self) -> float:
         """What the step's gradients were divided by: its samples, times the items a sample."""
@@ -428,9 +442,11 @@ class LoopStep:
         def choose_next_split(everyone):
             loop.choose_next_split(everyone, self.step_samples, self.timed_first)
 
-        result = loop.reducer.reduce(count=count, grad_divisor=self._divisor(), loss_scale=self.scale, gather=gather,
+        divisor = self._streamed_total() if self._streamed() else self._divisor()
+        result = loop.reducer.reduce(count=count, grad_divisor=divisor, loss_scale=self.scale, gather=gather,
                                      while_in_flight=choose_next_split,
-                                     expected_total=loop.expected_total(self.step_samples))
+                                     expected_total=divisor if self._streamed()
+                                     else loop.expected_total(self.step_samples))
         loop.last_total = result.total
         skipped = bool(result.found_inf.item())
         if loop.scaler:

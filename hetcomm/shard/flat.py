@@ -27,9 +27,11 @@ class Piece:
 
 class FlatParameters:
     """Flattens `params` (trained parameters, in order, of one dtype and device) into
-    `weights`, with `grads` beside it; each parameter and its .grad become views."""
+    `weights`, with `grads` beside it; each parameter and its .grad become views.
+    whole_grads=False: no flat gradient (streamed gradients live one layer at a time,
+    hetcomm.shard.streamed)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], who: str):
+    def __init__(self, params: list[torch.nn.Parameter], who: str, whole_grads: bool = True):
         if not params:
             raise ValueError(f"{who}: no parameter requires grad")
         first = params[0]
@@ -48,8 +50,9 @@ class FlatParameters:
         self.total = self.offsets[-1]
         self.weights: Tensor | None = torch.empty(self.total, dtype=self.dtype, device=self.device)
         self.sharded = None   # hetcomm.shard.weights.ShardedWeights, once the weights are sharded too
-        self.grads = torch.zeros(self.total, dtype=self.dtype, device=self.device)
-        self._grad_views = [self.grads[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
+        self.grads = torch.zeros(self.total, dtype=self.dtype, device=self.device) if whole_grads else None
+        self._grad_views = [] if self.grads is None else \
+            [self.grads[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         with torch.no_grad():
             for p, view in zip(params, self.weight_views()):
                 view.copy_(p.detach())
@@ -81,6 +84,10 @@ class FlatParameters:
 
     def zero_grads(self) -> None:
         """Zeros every gradient, keeping the views (instead of model.zero_grad())."""
+        if self.grads is None:
+            for p in self.params:
+                p.grad = None
+            return
         self.grads.zero_()
         self.attach_grads()
 

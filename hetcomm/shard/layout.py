@@ -19,12 +19,13 @@ import torch
 ALIGN = 16
 
 
-def state_bytes_per_element(weight_dtype: torch.dtype, weights: bool = False) -> int:
+def state_bytes_per_element(weight_dtype: torch.dtype, weights: bool = False, streamed: bool = False) -> int:
     """What the owner keeps per element: fp32 masters and two fp32 moments for 16-bit
-    weights; the moments alone for fp32 weights (the flat weights are the masters); and
-    with `weights` (full sharding) the weight itself, which no other rank keeps."""
+    weights; the moments alone for fp32 weights (the flat weights are the masters); with
+    `weights` (full sharding) the weight itself, which no other rank keeps; with
+    `streamed` gradients the fp32 sum of the gradients reduced onto it in a step."""
     state = 8 if weight_dtype == torch.float32 else 12
-    return state + (weight_dtype.itemsize if weights else 0)
+    return state + (weight_dtype.itemsize if weights else 0) + (4 if streamed else 0)
 
 
 def scratch_elements(range_size: int, bucket_elements: int) -> int:
@@ -33,10 +34,11 @@ def scratch_elements(range_size: int, bucket_elements: int) -> int:
     return min(range_size, bucket_elements)
 
 
-def bytes_needed(range_size: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False) -> int:
+def bytes_needed(range_size: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False,
+                 streamed: bool = False) -> int:
     """Device bytes a range of that many elements takes on its owner."""
-    return range_size * state_bytes_per_element(weight_dtype, weights) + 4 * scratch_elements(range_size,
-                                                                                              bucket_elements)
+    per = state_bytes_per_element(weight_dtype, weights, streamed)
+    return range_size * per + 4 * scratch_elements(range_size, bucket_elements)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def layout_from_sizes(sizes: Sequence[int], total: int, who: str) -> ShardLayout
 
 
 def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtype, bucket_elements: int,
-                     who: str, weights: bool = False) -> ShardLayout:
+                     who: str, weights: bool = False, streamed: bool = False) -> ShardLayout:
     """Ranges proportional to each rank's memory left for the sharded state (bytes, in
     rank order), each within what its rank can hold.
 
@@ -89,14 +91,14 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
     ranks together cannot hold the state of all `total` elements."""
     capacity = []
     for rank, free in enumerate(memory):
-        least = bytes_needed(min(ALIGN, total), weight_dtype, bucket_elements, weights)
+        least = bytes_needed(min(ALIGN, total), weight_dtype, bucket_elements, weights, streamed)
         if free < least:
             raise ValueError(f"{who}: rank {rank} has {_size(free)} left for the sharded optimizer state; its "
                              f"smallest range ({min(ALIGN, total)} elements) needs {least:,} bytes. Give that rank "
                              f"more memory (a smaller micro-batch, fewer other tensors) or leave it out")
-        capacity.append(largest_range(free, weight_dtype, bucket_elements, weights))
+        capacity.append(largest_range(free, weight_dtype, bucket_elements, weights, streamed))
     if sum(capacity) < total:
-        per = state_bytes_per_element(weight_dtype, weights)
+        per = state_bytes_per_element(weight_dtype, weights, streamed)
         raise ValueError(f"{who}: the ranks' memory left for the sharded state ({_size(sum(memory))} in all) holds the "
                          f"state of {sum(capacity):,} of the {total:,} trained elements; {per} bytes per element are "
                          f"needed, {_size((total - sum(capacity)) * per)} more. Add a card or train a smaller model")
@@ -118,9 +120,10 @@ def layout_by_memory(memory: Sequence[int], total: int, weight_dtype: torch.dtyp
     return ShardLayout(tuple([0, *_running(sizes)]))
 
 
-def largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False) -> int:
+def largest_range(free: int, weight_dtype: torch.dtype, bucket_elements: int, weights: bool = False,
+                  streamed: bool = False) -> int:
     """The most elements whose state fits `free` bytes (bytes_needed is monotone)."""
-    per = state_bytes_per_element(weight_dtype, weights)
+    per = state_bytes_per_element(weight_dtype, weights, streamed)
     size = free // (per + 4)
     if size > bucket_elements:   # the scratch stops growing at one bucket
         size = max(bucket_elements, (free - 4 * bucket_elements) // per)

@@ -36,6 +36,11 @@ class Shard:
             and its backward only; `memory` then also pays for the range's weights.
         units: with weights, the layer modules gathered one at a time (default: the
             blocks of the model's largest nn.ModuleList; hetcomm.shard.units).
+        gradients: with weights, "streamed" (each layer's gradient of each micro-batch
+            is reduced onto its owners as soon as it is in, and freed: no rank holds the
+            whole gradient; the owner sums its range in fp32) or "whole" (each rank
+            accumulates the whole gradient over its micro-batches and reduces it once:
+            fewer reductions when a step has several micro-batches, where memory allows).
     """
 
     memory: Sequence[int] | None = None
@@ -43,6 +48,12 @@ class Shard:
     micro_batch: int = 1
     weights: bool = False
     units: Sequence[nn.Module] | None = None
+    gradients: str = "streamed"
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the gradients are streamed onto their owners (full sharding's default)."""
+        return self.weights and self.gradients == "streamed"
 
     def __post_init__(self):
         if self.memory is not None and self.ranges is not None:
@@ -55,6 +66,8 @@ class Shard:
             raise ValueError(f"Shard: micro_batch = {self.micro_batch!r}: expected a positive integer")
         if not isinstance(self.weights, bool):
             raise ValueError(f"Shard: weights = {self.weights!r}: expected True (shard the weights too) or False")
+        if self.gradients not in ("streamed", "whole"):
+            raise ValueError(f"Shard: gradients = {self.gradients!r}: expected 'streamed' or 'whole'")
         if self.units is not None and not self.weights:
             raise ValueError("Shard: units are the layers whose weights are gathered; pass weights=True with them")
 
@@ -107,4 +120,5 @@ def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: 
                              f"for its range of the optimizer state); only GPUs are probed")
         memory = [0] * world
         dist.all_gather_object(memory, probe())
-    return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who, weights=shard.weights)
+    return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who, weights=shard.weights,
+                            streamed=shard.streamed)

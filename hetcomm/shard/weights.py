@@ -39,11 +39,16 @@ class _Unit:
     start: int                  # the unit's elements [start, stop) of the flat space
     stop: int
     buffer: Tensor
-    params: int                 # how many trained parameters it holds
+    members: tuple[nn.Parameter, ...]   # its trained parameters, in flat order
     gathered: bool = False
     works: list = field(default_factory=list)   # broadcasts in flight into the buffer
     holders: int = 0            # forwards under way that use it
     grads_left: int = 0         # gradients still to come in this backward
+    grads_sent: bool = False    # on_gradients was called for it in this backward
+
+    @property
+    def params(self) -> int:
+        return len(self.members)
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +79,7 @@ class ShardedWeights:
         for index, (module, params) in enumerate(zip(plan.modules, plan.params)):
             size = sum(p.numel() for p in params)
             buffer = torch.empty(size, dtype=flat.dtype, device=flat.device)
-            unit = _Unit(index, module, offset, offset + size, buffer, len(params), grads_left=len(params))
+            unit = _Unit(index, module, offset, offset + size, buffer, tuple(params), grads_left=len(params))
             at = 0
             for p in params:
                 p.data = buffer[at:at + p.numel()].view(p.shape)
@@ -85,6 +90,9 @@ class ShardedWeights:
         flat.weights = None   # every parameter now lives in its unit's buffer
         flat.sharded = self
         self.peak_gathered = 0
+        # Called with each unit once its gradients of a backward are in (every unit once a
+        # backward, in the same order on every rank): hetcomm.shard.streamed sends them.
+        self.on_gradients = None
         self._in_backward = False
         self._handles = []
         for unit, params in zip(self.units, plan.params):
@@ -200,15 +208,25 @@ class ShardedWeights:
             unit.grads_left -= 1
             if unit.grads_left == 0:
                 unit.grads_left = unit.params
+                self._gradients_in(unit)
                 if unit.holders == 0:
                     self._free(unit)
         return grad_in
 
+    def _gradients_in(self, unit: _Unit) -> None:
+        if self.on_gradients is not None and not unit.grads_sent:
+            unit.grads_sent = True
+            self.on_gradients(unit)
+
     def _after_backward(self) -> None:
-        """The end of a backward: free what is still gathered (the root, a unit some of
-        whose parameters got no gradient, a prefetch that was not used)."""
+        """The end of a backward: the gradients of the units not yet passed on (the root,
+        a unit some of whose parameters got none) go, in unit order; what is still
+        gathered (the root, such a unit, a prefetch that was not used) is freed."""
         self._in_backward = False
         for unit in self.units:
+            self._gradients_in(unit)
+        for unit in self.units:
             unit.grads_left = unit.params
+            unit.grads_sent = False
             if unit.holders == 0:
                 self._free(unit)
