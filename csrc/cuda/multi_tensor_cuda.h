@@ -1,11 +1,14 @@
 // Runs y = cast(float(x) * scale) over a segment list on a CUDA stream: segments are
 // grouped by dtype pair and handed to the multi-tensor kernel up to
-// kernels::kMaxSegments at a time. Launches only: nothing here waits for the GPU.
+// kernels::kMaxSegments at a time in its arguments, or all of a pair at once from a
+// device table when a long list recurs (cuda/device_tables.h). Launches only: nothing
+// here waits for the GPU.
 #pragma once
 
 #include "kernels/launch_args.h"
 #include "ops/segment.h"
 
+#include <c10/core/Device.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -22,7 +25,7 @@ int64_t count_chunks(const SegmentList& segments);
 // work is kScaleCastCheckOutputSumSq, else null. The segments live on `device`, which
 // is the current device.
 void run_segments(const SegmentList& segments, const float* scale, Work work, float* found_inf, double* partials,
-                  int device, cudaStream_t stream);
+                  const c10::Device& device, cudaStream_t stream);
 
 // sq_norm += float(sum of partials[0..count)), in a fixed order (one small launch).
 void add_sum_of_squares(const double* partials, int64_t count, float* sq_norm, cudaStream_t stream);

@@ -20,7 +20,7 @@ namespace {
 void run_on(const c10::Device& device, const SegmentList& segments, const float* scale, Work work,
             float* found_inf = nullptr, double* partials = nullptr) {
   const c10::cuda::CUDAGuard guard(device);
-  run_segments(segments, scale, work, found_inf, partials, device.index(),
+  run_segments(segments, scale, work, found_inf, partials, device,
                c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
@@ -76,7 +76,7 @@ void adamw_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_
   const c10::Device device = params[0].device();
   const c10::cuda::CUDAGuard guard(device);
   run_adamw(plan.segments, plan.hyper, grad_scale.const_data_ptr<float>(), found_inf.const_data_ptr<float>(),
-            step.const_data_ptr<float>(), device.index(), c10::cuda::getCurrentCUDAStream(device.index()).stream());
+            step.const_data_ptr<float>(), device, c10::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
 }  // namespace

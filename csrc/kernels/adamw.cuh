@@ -4,9 +4,11 @@
 // written as a round-to-nearest intrinsic so that nvcc contracts nothing into an FMA:
 // the same bits on every back end. Includes no torch header (see numeric.cuh).
 //
-// A launch covers up to kMaxAdamWSegments parameters of one (gradient, copy) dtype
-// pair, cut into chunks of kChunk elements as the multi-tensor kernel's are; blocks
-// stride over the chunks, and thread t takes elements t, t + kThreads, ... of a chunk.
+// A launch covers the parameters of one (gradient, copy) dtype pair, up to
+// kMaxAdamWSegments of them in its arguments (AdamWTable) or any number in device
+// memory (DeviceAdamWTable, for a list that recurs), cut into chunks of kChunk elements
+// as the multi-tensor kernel's are; blocks stride over the chunks, and thread t takes
+// elements t, t + kThreads, ... of a chunk.
 #pragma once
 
 #include "kernels/adamw_math.h"
@@ -31,18 +33,36 @@ struct AdamWTable {
   int num_chunks;
 };
 
-struct AdamWArgs {
-  AdamWTable table;
+// The same columns in device memory, read through these pointers: no limit on count.
+struct DeviceAdamWTable {
+  const void* const* grad;
+  float* const* param;
+  float* const* exp_avg;
+  float* const* exp_avg_sq;
+  void* const* copy;
+  const int* first_chunk;
+  const int* numel;
+  int count;
+  int num_chunks;
+};
+
+template <typename Table>
+struct AdamWKernelArgs {
+  Table table;
   const float* grad_scale;  // device scalars: nothing is read on the host
   const float* found_inf;
   const float* step;
   AdamWHyper hyper;
 };
 
+using AdamWArgs = AdamWKernelArgs<AdamWTable>;
+using DeviceAdamWArgs = AdamWKernelArgs<DeviceAdamWTable>;
+
 static_assert(sizeof(AdamWArgs) <= 4096, "kernel arguments must fit CUDA 12's 4 KB limit");
 
-template <typename G, typename C, bool kCopy>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWArgs args) {
+// Table: AdamWTable (in the arguments) or DeviceAdamWTable (in device memory).
+template <typename G, typename C, bool kCopy, typename Table = AdamWTable>
+__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWKernelArgs<Table> args) {
   if (*args.found_inf != 0.0f) {
     return;  // an overflow somewhere: the step is skipped, nothing changes
   }

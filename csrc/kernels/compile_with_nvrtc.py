@@ -28,6 +28,9 @@ LEGACY_ARCHS = ("60", "61", "70", "75")
 TYPES = ("F32", "F16", "BF16")
 WORKS = ("kScaleCast", "kScaleCastCheckInput", "kScaleCastCheckOutput", "kScaleCastCheckOutputSumSq")
 ITEMS = (2, 4)  # the items-per-thread values of csrc/cuda/launch_shape.cu
+# Tables in the kernel arguments, and in device memory for long lists that recur.
+SEGMENT_TABLES = ("SegmentTable", "DeviceSegmentTable")
+ADAMW_TABLES = ("AdamWTable", "DeviceAdamWTable")
 # NVRTC 12.9 says this of every target before sm_75; it is the reason this check exists.
 DEPRECATION = "nvrtc: warning: Architectures prior to '<compute/sm>_75' are deprecated"
 
@@ -35,11 +38,11 @@ DEPRECATION = "nvrtc: warning: Architectures prior to '<compute/sm>_75' are depr
 def kernel_names() -> list[str]:
     """Every kernel that csrc/cuda/multi_tensor_cuda.cu and adamw_cuda.cu instantiate."""
     ns = "hetcomm::kernels"
-    names = [f"&{ns}::multi_tensor_kernel<{ns}::{s}, {ns}::{d}, {ns}::Work::{w}, {i}>"
-             for s, d, w, i in itertools.product(TYPES, TYPES, WORKS, ITEMS)
+    names = [f"&{ns}::multi_tensor_kernel<{ns}::{s}, {ns}::{d}, {ns}::Work::{w}, {i}, {ns}::{table}>"
+             for s, d, w, i, table in itertools.product(TYPES, TYPES, WORKS, ITEMS, SEGMENT_TABLES)
              if s == d or w != "kScaleCastCheckInput"]  # unscale_ is in place: one type
-    names += [f"&{ns}::adamw_kernel<{ns}::{g}, {ns}::{c}, {'true' if copy else 'false'}>"
-              for g in TYPES for c, copy in [("F32", False), *((t, True) for t in TYPES)]]
+    names += [f"&{ns}::adamw_kernel<{ns}::{g}, {ns}::{c}, {'true' if copy else 'false'}, {ns}::{table}>"
+              for g in TYPES for c, copy in [("F32", False), *((t, True) for t in TYPES)] for table in ADAMW_TABLES]
     return names + [f"&{ns}::add_sum_of_squares_kernel"]
 
 

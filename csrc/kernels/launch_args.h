@@ -2,10 +2,13 @@
 // host launcher. Plain C++ with no header at all, so that NVRTC and the host compiler
 // see the same layout.
 //
-// A launch covers up to kMaxSegments segments of one (source, destination) dtype pair.
-// Each segment is cut into chunks of kChunk elements; chunk c of the launch is found by
-// a binary search over first_chunk, so the table costs nothing per chunk and a launch
-// can cover any amount of data. Blocks stride over the launch's chunks.
+// A launch covers the segments of one (source, destination) dtype pair: up to
+// kMaxSegments of them in its arguments (SegmentTable), or any number in a table in
+// device memory (DeviceSegmentTable, built once for a list that recurs: see
+// cuda/device_tables.h). Each segment is cut into chunks of kChunk elements; chunk c of
+// the launch is found by a binary search over first_chunk, so the table costs nothing
+// per chunk and a launch can cover any amount of data. Blocks stride over the
+// launch's chunks.
 #pragma once
 
 namespace hetcomm::kernels {
@@ -25,7 +28,7 @@ constexpr int kChunk = 8192;
 // Segments per launch: the table below must fit the 4 KB of kernel arguments that
 // CUDA 12 and older allow (CUDA 12.1+ on Volta+ allows more, but Pascal builds and
 // older toolkits do not). 160 x 24 bytes = 3840 bytes; a list of 1,000 tensors of one
-// dtype pair is 7 launches.
+// dtype pair is 7 launches from arguments, and one from a device table once it recurs.
 constexpr int kMaxSegments = 160;
 
 // Longer tensors are split into several segments, so that element counts and chunk
@@ -56,13 +59,27 @@ struct SegmentTable {
   int num_chunks;  // chunks of all segments in use
 };
 
-struct LaunchArgs {
-  SegmentTable table;
+// The same columns in device memory, read through these pointers: no limit on count.
+struct DeviceSegmentTable {
+  const void* const* src;
+  void* const* dst;
+  const int* first_chunk;
+  const int* numel;
+  int count;
+  int num_chunks;
+};
+
+template <typename Table>
+struct MultiTensorArgs {
+  Table table;
   const float* scale;      // device scalar; null means 1 (cast_)
   float* found_inf;        // set to 1 on a non-finite value; null when nothing is checked
   double* partials;        // one sum of squares per chunk; null unless kScaleCastCheckOutputSumSq
   long long partial_base;  // index in partials of this launch's chunk 0
 };
+
+using LaunchArgs = MultiTensorArgs<SegmentTable>;
+using DeviceTableArgs = MultiTensorArgs<DeviceSegmentTable>;
 
 static_assert(sizeof(LaunchArgs) <= 4096, "kernel arguments must fit CUDA 12's 4 KB limit");
 

@@ -156,8 +156,9 @@ __device__ __forceinline__ double block_sum(double v, double (&warp_sums)[kWarps
   return total;
 }
 
-template <typename S, typename D, Work kWork, int kItems>
-__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const LaunchArgs args) {
+// Table: SegmentTable (in the arguments) or DeviceSegmentTable (in device memory).
+template <typename S, typename D, Work kWork, int kItems, typename Table = SegmentTable>
+__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(const MultiTensorArgs<Table> args) {
   using SV = typename S::Storage;
   using DV = typename D::Storage;
   HETCOMM_SHARED(double, warp_sums, [kWarps]);

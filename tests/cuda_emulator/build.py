@@ -74,6 +74,7 @@ def common_units(src: Path) -> dict[str, list[str]]:
     return {
         "ops_cuda.o": cu + ["-include", "hetemu/registration_prelude.h", str(src / "cuda" / "ops_cuda.cu")],
         "launch_shape.o": cu + [str(src / "cuda" / "launch_shape.cu")],
+        "device_tables.o": cu + [str(src / "cuda" / "device_tables.cu")],
         "plans.o": [str(src / "ops" / "plans.cpp")],
         "adamw_plan.o": [str(src / "ops" / "adamw_plan.cpp")],
         "checks.o": [str(src / "ops" / "checks.cpp")],

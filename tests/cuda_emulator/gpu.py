@@ -5,11 +5,22 @@ import contextlib
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 from . import build
 
 # Thread (and block) orders: the run's schedule, and the runtime's value for it.
 SCHEDULES = {"in-order": 0, "reversed": 1, "shuffled": 7}
+
+
+class TableCacheStats(NamedTuple):
+    """The device-table cache of the CUDA back end (csrc/cuda/device_tables.h)."""
+
+    hits: int           # calls that ran from a device table (the first of them uploaded it)
+    misses: int         # first calls of a list: ran from kernel arguments
+    uploads: int        # tables built
+    entries: int        # lists held now
+    last_launches: int  # of the last call's multi-tensor or adamw_ walk
 
 
 class EmulatedGpu:
@@ -19,12 +30,17 @@ class EmulatedGpu:
         self._lib.hetemu_enable.restype = ctypes.c_char_p
         self._lib.hetemu_set_schedule.argtypes = [ctypes.c_uint]
         self._lib.hetemu_launches.restype = ctypes.c_longlong
+        self._lib.hetemu_table_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
 
     @contextlib.contextmanager
     def running(self, schedule: str = "in-order"):
-        """While open, the hetcomm ops on CPU tensors run this GPU's CUDA kernels."""
+        """While open, the hetcomm ops on CPU tensors run this GPU's CUDA kernels. It
+        opens with an empty table cache, as a new process would: the schedules of a test
+        share one library, and freed tensors' addresses come back, so a list left by an
+        earlier test could otherwise make a first call a second."""
         import hetcomm  # noqa: F401  (defines the ops that the kernels are bound to)
 
+        self.clear_table_cache()
         self._lib.hetemu_set_schedule(SCHEDULES[schedule])
         error = self._lib.hetemu_enable()
         if error is not None:
@@ -38,6 +54,15 @@ class EmulatedGpu:
     def launches(self) -> int:
         """Kernel launches so far."""
         return self._lib.hetemu_launches()
+
+    def table_cache_stats(self) -> TableCacheStats:
+        values = (ctypes.c_longlong * len(TableCacheStats._fields))()
+        self._lib.hetemu_table_cache_stats(values)
+        return TableCacheStats(*values)
+
+    def clear_table_cache(self) -> None:
+        """Drops every device table and zeroes the counters."""
+        self._lib.hetemu_clear_table_cache()
 
 
 @functools.cache

@@ -55,6 +55,14 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel /*
   return cudaSuccess;
 }
 
+// Launches run at once on the CPU: nothing is ever captured into a graph.
+enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t /*stream*/, cudaStreamCaptureStatus* status) {
+  *status = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
 inline const char* cudaGetErrorString(cudaError_t error) {
   return error == cudaSuccess ? "no error" : "invalid argument";
 }

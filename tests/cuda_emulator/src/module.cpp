@@ -3,11 +3,14 @@
 // of csrc/cuda/ops_cuda.cu) to CPU tensors of the hetcomm ops, in front of the CPU
 // back end's kernels, and puts guard bytes after every CPU tensor allocated meanwhile;
 // disable() removes both again.
+#include "cuda/device_tables.h"
 #include "runtime_control.h"
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <exception>
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -51,4 +54,15 @@ HETEMU_EXPORT void hetemu_set_schedule(unsigned int schedule) {
 
 HETEMU_EXPORT long long hetemu_launches() {
   return hetemu::launch_count();
+}
+
+// hits, misses, uploads, entries, launches of the last call (cuda/device_tables.h).
+HETEMU_EXPORT void hetemu_table_cache_stats(long long* out) {
+  const hetcomm::cuda::TableCacheStats stats = hetcomm::cuda::table_cache_stats();
+  const long long values[] = {stats.hits, stats.misses, stats.uploads, stats.entries, stats.last_launches};
+  std::copy(std::begin(values), std::end(values), out);
+}
+
+HETEMU_EXPORT void hetemu_clear_table_cache() {
+  hetcomm::cuda::clear_table_cache();
 }
