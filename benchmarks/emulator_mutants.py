@@ -48,17 +48,17 @@ MUTANTS = {
         "  const float scale = args.scale == nullptr ? 1.0f : *args.scale;\n",
         "some threads return before the block reduction's shuffles and barriers (a hang on a GPU)"),
     "find_segment_off_by_one": (
-        KERNEL, "if (table.first_chunk[mid] <= c) {", "if (table.first_chunk[mid] < c) {",
+        "kernels/find_segment.cuh", "if (table.first_chunk[mid] <= c) {", "if (table.first_chunk[mid] < c) {",
         "the chunk-to-segment search off by one at segment boundaries"),
     "bf16_truncate": (
         "kernels/numeric.cuh", "(bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16", "bits >> 16",
         "software bf16 rounding (before sm_80) truncates instead of rounding to nearest even"),
     "segment_offset_in_elements": (
-        "cuda/multi_tensor_cuda.cu", "static_cast<char*>(segment.dst) + done * dst_item;",
-        "static_cast<char*>(segment.dst) + done;",
+        "cuda/multi_tensor_cuda.cu", "static_cast<char*>(segment->dst) + done * dst_item,",
+        "static_cast<char*>(segment->dst) + done,",
         "a long tensor's later segments written at an offset in elements, not bytes (over its first segment)"),
     "partials_overwritten": (
-        "cuda/multi_tensor_cuda.cu", "    args_.partial_base += table.num_chunks;\n", "",
+        "cuda/multi_tensor_cuda.cu", "    partial_base_ += args.table.num_chunks;\n", "",
         "every launch of a long list writes its sums of squares over the first launch's"),
 }
 
