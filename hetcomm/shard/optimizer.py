@@ -164,10 +164,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         return sum(t.numel() * t.element_size() for t in kept)
 
     def shard_state(self) -> dict[str, Tensor]:
-        """This rank's range of the state, by name (hetcomm.shard.checkpoint saves it)."""
+        """This rank's range of the state, by name (hetcomm.shard.checkpoint saves it):
+        with fully sharded fp32 weights, which are their own masters, the weights too
+        (no other rank holds them)."""
         state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.masters is not None:
             state["master"] = self.masters
+        elif self.flat.sharded is not None:
+            state["weight"] = self.flat.weights_of(*self.range)
         return state
 
     def load_shard_state(self, state: dict[str, Tensor]) -> None:

@@ -18,6 +18,7 @@ from hetcomm.simulated import parse_slowdown, parse_speeds
 DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machine's cores
 WIRES = ("float16", "float32", "bfloat16")
 WEIGHTS = ("compute", "fp32")
+SHARD_MODES = ("state", "full")
 BALANCE = ("dynamic", "static", "equal")
 
 
@@ -51,7 +52,9 @@ class TrainConfig:
     split: str | None = None      # a fixed split, e.g. "3,5": no balancing at all
     memory_caps: str | None = None
     # sharding
-    shard: bool = False           # keep the optimizer state only on each range's owner, ranges sized by memory
+    # "state" (or True): the optimizer state only on each range's owner, ranges sized by memory;
+    # "full": the weights too, each layer gathered while it computes, the gradients streamed
+    shard: bool | str = False
     state_memory: str | None = None   # bytes per rank left for that state; default: probed on GPUs, host's on CPUs
     # the cluster
     nproc: int | None = None
@@ -129,10 +132,13 @@ def parser() -> argparse.ArgumentParser:
                                            "accumulation); default: found on GPUs by running the real step at "
                                            "growing sizes, none on CPUs")
     shard = p.add_argument_group("sharding (models larger than the smallest card)")
-    shard.add_argument("--shard", action="store_true",
-                       help="keep the optimizer state (fp32 masters, AdamW's moments) only on the rank that owns each "
-                            "range of the weights, ranges sized by each rank's memory; every rank keeps the weights "
-                            "and gradients (16-bit when computing in 16-bit)")
+    shard.add_argument("--shard", nargs="?", const="state", default=False, choices=SHARD_MODES,
+                       help="state (the default of a bare --shard): keep the optimizer state (fp32 masters, AdamW's "
+                            "moments) only on the rank that owns each range of the weights, ranges sized by each "
+                            "rank's memory, every rank keeping the weights and gradients (16-bit when computing in "
+                            "16-bit); full: the weights too, each transformer block gathered for its forward and "
+                            "backward, the gradients reduced onto their owners block by block (on GPUs give "
+                            "--state-memory and --memory-caps: hetcomm plan --shard full prints them)")
     shard.add_argument("--state-memory",
                        help="with --shard: bytes each rank has left for its range of the state, e.g. 9G,9G,9G,28G "
                             "(suffixes K, M, G); default: measured on GPUs after one window's forward and backward, "
@@ -172,6 +178,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def full_shard(config: TrainConfig) -> bool:
+    """Whether --shard full: the weights sharded too."""
+    return config.shard == "full"
+
+
 def from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__})
 
@@ -204,6 +215,13 @@ def validate(config: TrainConfig, world_size: int) -> None:
         parse_caps(config.memory_caps, world_size)
     if config.split is not None:
         parse_split(config.split, world_size, config.global_batch)
+    if config.shard not in (False, True, *SHARD_MODES):
+        raise ValueError(f"--shard {config.shard!r}: expected one of {', '.join(SHARD_MODES)}")
+    if full_shard(config) and not config_device_is_cpu(config) \
+            and (config.state_memory is None or config.memory_caps is None):
+        raise ValueError("--shard full on GPUs needs --state-memory and --memory-caps (hetcomm plan --shard full "
+                         "prints both): probing a card's room would hold the whole model, and every rank's "
+                         "micro-batches must be known to align their layers' gathers")
     if config.state_memory is not None:
         if not config.shard:
             raise ValueError("--state-memory sizes the ranges of --shard; add --shard or leave it out")

@@ -109,7 +109,8 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
           f"final split {'/'.join(map(str, summary['final_split']))}")
     if summary.get("shard"):
         shard = summary["shard"]
-        print(f"  optimizer state sharded by memory: ranks own {'/'.join(f'{n:,}' for n in shard['elements'])} of "
+        owned = '/'.join(f'{n:,}' for n in shard['elements'])
+        print(f"  {shard.get('what', 'optimizer state')} sharded by memory: ranks own {owned} of "
               f"{sum(shard['elements']):,} elements, keeping {'/'.join(f'{b:,}' for b in shard['state_bytes'])} "
               f"bytes of state (unsharded, each would keep {shard['unsharded_state_bytes']:,})")
     handoffs = [s for s in steps if s.get("handoff")]

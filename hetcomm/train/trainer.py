@@ -40,7 +40,7 @@ from hetcomm.optim import AdamW
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard import checkpoint as shard_checkpoint
 from hetcomm.shard.layout import state_bytes_per_element
-from hetcomm.train.config import TrainConfig, parse_caps, parse_split, parse_state_memory
+from hetcomm.train.config import TrainConfig, full_shard, parse_caps, parse_split, parse_state_memory
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
 from hetcomm.train.model import GPT, GPTConfig
@@ -83,7 +83,8 @@ def make_optimizer(params: list[torch.Tensor], config: TrainConfig,
 def run_description(config: TrainConfig, world: int, data_description: str, data_size: int) -> dict:
     """What a checkpoint must match to be resumed by this run. A sharded run's state is
     resharded on load: it resumes on another number of ranks."""
-    ranks = {"sharded": True} if config.shard else {"world_size": world}
+    # A full shard's layout is of its units' order: it resumes a full shard alone.
+    ranks = {"sharded": "full" if full_shard(config) else True} if config.shard else {"world_size": world}
     return {**ranks, "global_batch": config.global_batch, "block_size": config.block_size,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "seed": config.seed,
             "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps}
@@ -167,7 +168,7 @@ class Trainer:
             if not config.shard:
                 self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.model.parameters()]
             else:   # the fp32 weights the owners' masters start from (on the host until they are taken)
-                initial_masters = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]
+                initial_masters = {id(p): p.detach().to("cpu", copy=True) for p in self.model.parameters()}
             self.model.to(dtype)
         self.simulated = config.speeds is not None or bool(config.slowdown)
         speeds = parse_speeds(config.speeds, world) if config.speeds else [1.0] * world
@@ -186,14 +187,17 @@ class Trainer:
             else None, equal_steps=config.equal_steps, handoff=config.handoff,
             rebalance_threshold=config.rebalance_threshold,
             memory_caps=parse_caps(config.memory_caps, world) if config.memory_caps else None,
-            probe_forward=self._summed_loss, precision=self.precision, wire_dtype=getattr(torch, config.wire),
+            probe_forward=None if full_shard(config) else self._summed_loss,
+            precision=self.precision, wire_dtype=getattr(torch, config.wire),
             loss_scale=config.loss_scale, items_per_sample=config.block_size, master_params=self.masters,
             seed=config.seed, data_fingerprint=self.data_fingerprint["sha256"], simulated_speed=speed,
             timeout=timedelta(seconds=config.timeout), overlap=config.overlap,
             shard=self._shard(world, device) if config.shard else None)
         if config.shard:
+            # In the flat order, which full sharding makes the blocks' order.
+            masters = None if initial_masters is None else [initial_masters[id(p)] for p in self.loop.flat.params]
             self.optimizer = ShardedAdamW(param_groups(list(self.model.parameters()), config), self.loop.reducer,
-                                          lr=config.lr, betas=(0.9, 0.95), initial_masters=initial_masters)
+                                          lr=config.lr, betas=(0.9, 0.95), initial_masters=masters)
         else:
             self.optimizer = make_optimizer(self.trained_params(), config,
                                             list(self.model.parameters()) if self.masters is not None else None)
@@ -229,14 +233,15 @@ class Trainer:
     def _shard(self, world: int, device: torch.device) -> Shard:
         """--state-memory, or on GPUs the memory each rank measures, or on CPUs the host's
         available memory shared by its ranks."""
+        full = full_shard(self.config)
         if self.config.state_memory is not None:
-            return Shard(memory=parse_state_memory(self.config.state_memory, world))
+            return Shard(memory=parse_state_memory(self.config.state_memory, world), weights=full)
         if device.type == "cuda":
             return Shard()
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         host = torch.tensor([available], dtype=torch.float64)
         dist.all_reduce(host, op=dist.ReduceOp.MIN)   # ranks may share a host: each takes a world's share
-        return Shard(memory=[int(host.item()) // world] * world)
+        return Shard(memory=[int(host.item()) // world] * world, weights=full)
 
     def _summed_loss(self, batch) -> torch.Tensor:
         inputs, targets = batch
@@ -251,7 +256,12 @@ class Trainer:
 
     def _model_state(self) -> dict:
         """The model's state dict with the fp32 masters' values where there are masters
-        (a checkpoint holds the weights at full precision)."""
+        (a checkpoint holds the weights at full precision). Fully sharded, every rank
+        gathers the whole model for it (a collective): rank 0 keeps a host copy."""
+        sharded = self.loop.sharded_weights
+        if sharded is not None:
+            with sharded.gathered():
+                return {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
         state = self.model.state_dict(keep_vars=True)
         by_param = {id(p): m for p, m in zip(self.model.parameters(), self.masters or [])}
         return {name: by_param.get(id(t), t).detach() for name, t in state.items()}
@@ -272,7 +282,9 @@ class Trainer:
     def _weights_description(self) -> str:
         if self.config.shard:
             sixteen = self.loop.flat.dtype != torch.float32
-            return f"{'16-bit' if sixteen else 'fp32'}, state sharded ({self.optimizer.state_bytes():,} bytes here)"
+            what = "weights, gradients and state" if full_shard(self.config) else "state"
+            return f"{'16-bit' if sixteen else 'fp32'}, {what} sharded ({self.optimizer.state_bytes():,} bytes of " \
+                   f"state here)"
         return "16-bit, fp32 masters" if self.masters is not None else "fp32"
 
     # --- one step -------------------------------------------------------------------
@@ -409,9 +421,11 @@ class Trainer:
         shard = None
         if self.config.shard:
             sizes = self.loop.reducer.layout.sizes()
-            per = state_bytes_per_element(self.loop.flat.dtype)
+            full = full_shard(self.config)
+            per = state_bytes_per_element(self.loop.flat.dtype, weights=full, streamed=full)
             shard = {"elements": sizes, "state_bytes": [n * per for n in sizes],
-                     "unsharded_state_bytes": self.loop.flat.total * per}
+                     "unsharded_state_bytes": self.loop.flat.total * per,
+                     "what": "weights, gradient sums and optimizer state" if full else "optimizer state"}
         return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "shard": shard,
                 "probe_s": self.loop.first_timing_seconds, "phases": phases,
                 "final_split": list(self.loop.split),
@@ -441,6 +455,7 @@ class Trainer:
         range is on disk."""
         self._complete_log()
         loop_state = self.loop.state_dict()
+        model_state = self._model_state() if self.rank == 0 or self.loop.sharded_weights is not None else None
         sharded = {}
         if self.config.shard:
             flat, (start, stop) = self.loop.flat, self.loop.reducer.range
@@ -451,7 +466,7 @@ class Trainer:
         if self.rank == 0:
             checkpoint.save(self.config.out, self.step,
                             {"run": {**self.description, "data_sha256": self.data_fingerprint["sha256"]},
-                             "model": self._model_state(),
+                             "model": model_state,
                              "optimizer": self.optimizer.state_dict(), "loop": loop_state,
                              "phases": [[p.name, p.step_seconds] for p in self.phases], **sharded},
                             keep=self.config.keep)
@@ -468,7 +483,8 @@ class Trainer:
     def _resume(self, path: str) -> None:
         state = checkpoint.load(path, self.description)
         check_resumable(state, self.config, self.data.vocab_size)
-        self.model.load_state_dict(state["model"])
+        if self.loop.sharded_weights is None:   # fully sharded, the ranges restore the weights (_resume_shard)
+            self.model.load_state_dict(state["model"])
         if self.masters is not None:
             names = [name for name, _ in self.model.named_parameters()]
             with torch.no_grad():
