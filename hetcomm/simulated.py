@@ -101,7 +101,7 @@ class SimulatedSpeed:
         return factor
 
     @contextmanager
-    def compute(self, step: int) -> Iterator[Callable[[], None]]:
+    def compute(self, step: int, waited: Callable[[], float] | None = None) -> Iterator[Callable[[], None]]:
         """Around a compute phase of `step`: afterwards, waits until the phase has taken
         the time it needed divided by the speed factor. It yields a settle() that does
         the same for the phase so far, so that a time read within the phase (the
@@ -110,12 +110,16 @@ class SimulatedSpeed:
         forward and every gradient, as a slower device is slower at each operation).
         Both count from the phase's start, so a wait for a core early in the phase still
         counts against the stretch owed later, as with no settle at all. A factor above 1
-        cannot make it faster than it was."""
+        cannot make it faster than it was. `waited`: the seconds spent blocked on other
+        ranks so far (sharded weights' gathers), which a slower device spends idle, not
+        computing: they count as neither compute nor stretch."""
         clock: Callable[[], float] = _cpu_seconds_per_thread if self.device_type == "cpu" else time.perf_counter
         wall, needed = time.perf_counter(), clock()
+        idle = waited() if waited is not None else 0.0
 
         def settle() -> None:
-            remaining = (clock() - needed) / self.factor(step) - (time.perf_counter() - wall)
+            blocked = waited() - idle if waited is not None else 0.0
+            remaining = (clock() - needed) / self.factor(step) - (time.perf_counter() - wall - blocked)
             if remaining > 0:
                 time.sleep(remaining)
 

@@ -17,6 +17,7 @@ from tolerances import REORDERINGS, farthest, order_bound
 from hetcomm.balance import WeightedDistributedSampler
 from hetcomm.loop import BalancedLoop
 from hetcomm.shard import Shard, ShardedAdamW
+from hetcomm.simulated import SimulatedSpeed, Slowdown
 
 ELEMENTS = root_elements() + 3 * block_elements()
 # Bytes each rank has for what it keeps per element (fp32: its weight, two moments and the
@@ -28,7 +29,8 @@ MEMORY = [m * ELEMENTS * 21 // 65 for m in (11, 11, 11, 32)]
 def train(rank, world, steps, options, gradients="streamed"):
     model = TinyBlocks()
     loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
-                        shard=Shard(memory=MEMORY[:world], weights=True, gradients=gradients), **options)
+                        shard=Shard(memory=[m * sum(MEMORY) // sum(MEMORY[:world]) for m in MEMORY[:world]],
+                                    weights=True, gradients=gradients), **options)
     sharded = loop.sharded_weights
     optimizer = ShardedAdamW(model.parameters(), loop.reducer, lr=0.05, betas=(0.9, 0.95))
     losses, norms, splits, empty_between_steps = [], [], [], True
@@ -97,6 +99,18 @@ def test_fully_sharded_weights_train_as_one_process(tmp_path, options, gradients
         assert farthest([rank["norms"]], [expected_norms]) <= norm_bound, (rank["norms"], expected_norms)
         assert farthest(rank["weights"], expected) <= weight_bound, (farthest(rank["weights"], expected), weight_bound)
         assert rank["empty"]   # between steps no rank holds any gathered weight (nor a streamed gradient)
+
+
+def train_throttled(rank, world, throttle_step):
+    speed = SimulatedSpeed(rank, 0.05, (Slowdown(1, throttle_step, 0.1),))
+    return train(rank, world, throttle_step + 3, {"simulated_speed": speed})
+
+
+def test_a_throttled_rank_is_rebalanced_though_the_gathers_keep_the_ranks_in_step(tmp_path):
+    """Every gather waits for the slowest owner, so a rank's wall time holds the others'
+    slowness too; balancing times the compute without those waits."""
+    ranks = values(run_ranks(2, train_throttled, 6, tmp_path=tmp_path))
+    assert ranks[0]["splits"][-1][1] <= GLOBAL_BATCH // 8, ranks[0]["splits"]
 
 
 def test_each_rank_holds_its_range_and_at_most_two_layers_beside_the_root(tmp_path):

@@ -105,6 +105,8 @@ class BalancedLoop(TimedSteps):
             memory caps must be given (a probe would run different sizes on each rank).
             By default the gradients are streamed onto their owners layer by layer and
             never held whole (hetcomm.shard.streamed; Shard.gradients).
+            Shard(offload="optimizer") keeps the state in host memory: step with
+            ShardedAdamW(..., offload=True).
         simulated_speed: on a simulated CPU cluster, an object whose compute(step) context
             stretches this rank's compute (hetcomm.simulated.SimulatedSpeed); the loop has
             the stretch paid after each leaf module's forward and each gradient.
@@ -152,6 +154,7 @@ class BalancedLoop(TimedSteps):
             stretch_as_it_goes(model, params, lambda: self.settle_now())
         self.flat: FlatParameters | None = None
         self.sharded_weights: ShardedWeights | None = None
+        self.shard = shard
         if shard is not None:
             self.reducer = self._sharded_reducer(shard, params, probe_forward, wire_dtype, bucket_cap_mb, timeout,
                                                  overlap)
@@ -346,7 +349,16 @@ class BalancedLoop(TimedSteps):
         return load_batch(self.dataset, self.collate_fn, indices, self.device)
 
     def compute_context(self, step: int):
-        return self.speed.compute(step) if self.speed is not None else nullcontext()
+        if self.speed is None:
+            return nullcontext()
+        # A speed object of the user's may take no `waited`: only sharded weights wait within the compute.
+        return self.speed.compute(step, waited=self.waited) if self.sharded_weights is not None \
+            else self.speed.compute(step)
+
+    def waited(self) -> float:
+        """Seconds this rank has spent blocked on the other ranks within its compute so
+        far: sharded weights' gathers and streamed gradients (0 without them)."""
+        return self.sharded_weights.waited if self.sharded_weights is not None else 0.0
 
     def expected_total(self, step_samples: int) -> float | None:
         """The step's items over all ranks as the buckets are packed by: exact with
@@ -483,7 +495,7 @@ class BalancedLoop(TimedSteps):
             bucket = max((b.numel for b in self.reducer.buckets), default=0)
             streamed = isinstance(self.reducer, StreamedReducer)
             return bytes_needed(stop - start, self.flat.dtype, bucket, self.sharded_weights is not None,
-                                streamed) + wire
+                                streamed, self.shard.offloaded) + wire
         elements = sum(p.numel() for p in self.trained_params)
         return elements * (8 + (4 if self.masters is not None else 0) + self.reducer.wire_dtype.itemsize)
 

@@ -160,7 +160,7 @@ class LoopStep:
         loop = self.loop
         # The loop's clock (TimedSteps.clock) times the compute that splits are decided from;
         # the first step's waits and the reduction are the host's seconds.
-        start = loop.clock()
+        start, waited = loop.clock(), loop.waited()
         done = 0
         with loop.compute_context(self.number) if timed else nullcontext() as settle:
             self._started, self._settle = start, settle or no_stretch
@@ -191,7 +191,8 @@ class LoopStep:
                 loop.settle_now = no_stretch
                 self._last = False
                 self._padding = False
-        seconds = loop.clock() - start
+        # The waits for other ranks' gathers are theirs, not this rank's compute.
+        seconds = loop.clock() - start - (loop.waited() - waited)
         if timed:
             self.compute += seconds
             self.samples += done

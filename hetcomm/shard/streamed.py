@@ -17,6 +17,7 @@ Every rank issues the same reduces in the same order: each unit once per backwar
 every rank running as many micro-batches (hetcomm.loop pads a short share), on a
 process group of their own."""
 
+import time
 from collections import deque
 
 import torch
@@ -90,7 +91,9 @@ class StreamedReducer(ShardedReducer):
         unit_start, wire, works = entry
         low = self.range[0]
         for a, b, owner, work in works:
+            start = time.perf_counter()
             wait(work, self.timeout, f"{self.who}: the reduce of gradient elements {a}-{b} onto rank {owner}")
+            self.weights.waited += time.perf_counter() - start
             if owner == self.rank:
                 self.accumulator[a - low:b - low].add_(wire[a - unit_start:b - unit_start])
 

@@ -18,6 +18,7 @@ micro-batches in a step (BalancedLoop pads a short share with a micro-batch whos
 is multiplied by zero)."""
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -90,6 +91,10 @@ class ShardedWeights:
         flat.weights = None   # every parameter now lives in its unit's buffer
         flat.sharded = self
         self.peak_gathered = 0
+        # Seconds this rank has spent blocked on gathers and on streamed gradients (which
+        # add theirs here): waits for other ranks, not this rank's compute, which is what
+        # balancing must time.
+        self.waited = 0.0
         # Called with each unit once its gradients of a backward are in (every unit once a
         # backward, in the same order on every rank): hetcomm.shard.streamed sends them.
         self.on_gradients = None
@@ -159,9 +164,13 @@ class ShardedWeights:
             self._arrive(unit)
 
     def _arrive(self, unit: _Unit) -> None:
+        if not unit.works:
+            return
+        start = time.perf_counter()
         for a, b, owner, work in unit.works:
             wait(work, self.timeout, f"{self.who}: the gather of elements {a}-{b} from rank {owner}")
         unit.works.clear()
+        self.waited += time.perf_counter() - start
 
     def _free(self, unit: _Unit) -> None:
         if unit.gathered:
