@@ -11,7 +11,7 @@ from torch import nn
 
 from hetcomm.comm.collectives import control_device
 from hetcomm.shard.flat import FlatParameters
-from hetcomm.shard.layout import ShardLayout, layout_by_memory, layout_from_sizes
+from hetcomm.shard.layout import ShardLayout, layout_by_host_memory, layout_by_memory, layout_from_sizes
 
 # What a probe leaves unclaimed of a GPU's free memory: the allocator's fragmentation and
 # the transient buffers of a step (measured peaks move by a few percent between steps).
@@ -41,6 +41,18 @@ class Shard:
             whole gradient; the owner sums its range in fp32) or "whole" (each rank
             accumulates the whole gradient over its micro-batches and reduces it once:
             fewer reductions when a step has several micro-batches, where memory allows).
+        offload: "optimizer": the optimizer state of each range (fp32 masters, AdamW's
+            moments) lives in the owner's host memory and is stepped there
+            (ShardedAdamW(..., offload=True), which must be given it too). The ranges are
+            then sized by what the device still keeps per element: with weights, the
+            range's weights and the streamed gradients' fp32 sum (`memory` is device
+            bytes, as without offload); with the state alone sharded the device keeps
+            nothing per element, and `memory` is each rank's share of its host's memory
+            for the offloaded state (18 bytes an element for 16-bit weights, 16 for
+            fp32; hetcomm.shard.layout.host_bytes_per_element), or, without memory=,
+            the ranges are equal (nothing is probed). A string and not a flag: it names
+            what goes to the host, as `hetcomm plan`'s and `hetcomm train`'s
+            `--offload optimizer` do.
     """
 
     memory: Sequence[int] | None = None
@@ -49,11 +61,17 @@ class Shard:
     weights: bool = False
     units: Sequence[nn.Module] | None = None
     gradients: str = "streamed"
+    offload: str | None = None
 
     @property
     def streamed(self) -> bool:
         """Whether the gradients are streamed onto their owners (full sharding's default)."""
         return self.weights and self.gradients == "streamed"
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the optimizer state is kept in host memory (offload="optimizer")."""
+        return self.offload == "optimizer"
 
     def __post_init__(self):
         if self.memory is not None and self.ranges is not None:
@@ -68,6 +86,9 @@ class Shard:
             raise ValueError(f"Shard: weights = {self.weights!r}: expected True (shard the weights too) or False")
         if self.gradients not in ("streamed", "whole"):
             raise ValueError(f"Shard: gradients = {self.gradients!r}: expected 'streamed' or 'whole'")
+        if self.offload not in (None, "optimizer"):
+            raise ValueError(f"Shard: offload = {self.offload!r}: expected None or 'optimizer' (the optimizer state "
+                             f"in host memory)")
         if self.units is not None and not self.weights:
             raise ValueError("Shard: units are the layers whose weights are gathered; pass weights=True with them")
 
@@ -99,6 +120,7 @@ def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: 
     same on every rank), or every rank's probe() gathered. Errors are raised on every
     rank alike, before any step."""
     world = dist.get_world_size()
+    host_sized = shard.offloaded and not shard.weights   # the device keeps nothing per element
     given = shard.ranges if shard.ranges is not None else shard.memory
     if given is not None:
         if len(given) != world:
@@ -114,11 +136,15 @@ def agree_layout(shard: Shard, flat: FlatParameters, bucket_elements: int, who: 
         if shard.ranges is not None:
             return layout_from_sizes(list(shard.ranges), flat.total, who)
         memory = [int(m) for m in given]
+    elif host_sized:
+        return layout_by_host_memory(None, world, flat.total, flat.dtype, who)
     else:
         if flat.device.type != "cuda" or probe is None:
             raise ValueError(f"{who}: shard.memory is needed on {flat.device.type} ranks (bytes each rank has left "
                              f"for its range of the optimizer state); only GPUs are probed")
         memory = [0] * world
         dist.all_gather_object(memory, probe())
+    if host_sized:
+        return layout_by_host_memory(memory, world, flat.total, flat.dtype, who)
     return layout_by_memory(memory, flat.total, flat.dtype, bucket_elements, who, weights=shard.weights,
-                            streamed=shard.streamed)
+                            streamed=shard.streamed, offload=shard.offloaded)
