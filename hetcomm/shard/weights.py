@@ -11,6 +11,7 @@ without a version bump on the saved tensors (the copy goes through .data).
 The next unit's gather is launched when a unit starts (the next in the forward, the
 previous in the backward), so at most two layer units are gathered at a time, beside the
 root unit (hetcomm.shard.units), which the model's forward and backward hold throughout.
+The last layer stays gathered from its forward to its backward, which comes next.
 
 Collectives must come in the same order on every rank: every rank runs the same model
 code on each micro-batch, and the loop gives every rank the same number of
@@ -195,8 +196,10 @@ class ShardedWeights:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
                 for t in tensors:
                     t.register_hook(self._make_pre_backward(unit))
-                if unit.index == 0 and tensors:
-                    return   # the root stays gathered until its backward is done
+                if tensors and unit.index in (0, len(self.units) - 1):
+                    # The root stays gathered until its backward is done, and the last layer,
+                    # whose backward comes first, until its own: one gather fewer a micro-batch.
+                    return
             if unit.holders == 0:
                 self._free(unit)
         return post_forward
