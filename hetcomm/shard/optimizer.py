@@ -1,6 +1,8 @@
 """ShardedAdamW: AdamW whose fp32 masters and moments live only on the owner of each
 range, stepped by the fused adamw_ op straight from the reduced 16-bit gradient, the new
-16-bit weights written into the flat weight buffer and all-gathered from there."""
+16-bit weights written into the flat weight buffer and all-gathered from there; or, with
+offload=True, the masters and moments in host memory, stepped there by the CPU kernel
+(see ShardedAdamW)."""
 
 import math
 from collections.abc import Iterable, Sequence
@@ -35,12 +37,28 @@ class ShardedAdamW(torch.optim.Optimizer):
     initial_masters: for 16-bit weights, the fp32 values the masters start from, one
     tensor per parameter of the reducer in its order (the model's weights before they
     were cast to 16 bits, on any device); the masters then start where an unsharded
-    optimizer's fp32 masters do. Without it they start from the 16-bit weights, widened."""
+    optimizer's fp32 masters do. Without it they start from the 16-bit weights, widened.
+
+    offload: keep the range's state in host memory (pinned when the weights are on a
+    GPU), with the loop's Shard(offload="optimizer") (which sizes the ranges for it):
+    the fp32 params AdamW steps (the masters; for fp32 weights a host copy of the
+    weights, which is then the one that counts, as the masters are), the two moments,
+    an fp32 staging buffer that each step's reduced gradient range is copied down into
+    and, for 16-bit weights, a staging buffer the fused step writes the new weights
+    into, copied up into the flat weights from there (host_bytes():
+    hetcomm.shard.layout.host_bytes_per_element per element). The step is the same
+    adamw_ op, its CPU kernel: on CPU ranks bit for bit the step without offload. The
+    copy down is waited for; the copy up is not (on a GPU it is ordered before the
+    next gather by the stream). On CPU ranks the host is the device, and the copies
+    are made all the same."""
 
     def __init__(self, params: Iterable, reducer: ShardedReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 initial_masters: Sequence[Tensor] | None = None):
+                 initial_masters: Sequence[Tensor] | None = None, offload: bool = False):
         _check_hyper(lr, betas, eps, weight_decay)
+        if not isinstance(offload, bool):
+            raise ValueError(f"ShardedAdamW: offload = {offload!r}: expected True (the state in host memory) or "
+                             f"False")
         if not isinstance(reducer, ShardedReducer):
             raise TypeError(f"ShardedAdamW: reducer must be a hetcomm.shard.ShardedReducer (BalancedLoop(..., "
                             f"shard=...).reducer); got {type(reducer).__name__}")
@@ -51,13 +69,36 @@ class ShardedAdamW(torch.optim.Optimizer):
         group_of = self._group_of_each_parameter()
         start, stop = reducer.range
         self.range = (start, stop)
-        device = flat.device
-        self.masters = None if flat.dtype == torch.float32 else flat.weights_of(start, stop).float()
+        self.offload = offload
+        # Where the state lives: the device, or the host (pinned beside a GPU: the copies are DMA).
+        home = torch.device("cpu") if offload else flat.device
+        pin = offload and flat.device.type == "cuda"
+
+        def zeros(size: int, dtype: torch.dtype = torch.float32) -> Tensor:
+            return torch.zeros(size, dtype=dtype, device=home, pin_memory=pin)
+
+        size = stop - start
+        sixteen = flat.dtype != torch.float32
+        self.masters = zeros(size) if sixteen else None
+        if self.masters is not None:
+            self.masters.copy_(flat.weights_of(start, stop))
         if initial_masters is not None:
             self._start_masters_from(initial_masters)
-        self.exp_avg = torch.zeros(stop - start, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(stop - start, dtype=torch.float32, device=device)
-        self.steps = [torch.zeros(1, dtype=torch.float32, device=device) for _ in self.param_groups]
+        self.exp_avg = zeros(size)
+        self.exp_avg_sq = zeros(size)
+        self.steps = [zeros(1) for _ in self.param_groups]
+        # Offloaded: what AdamW steps on the host, and the staging of the copies down and up.
+        self._host_params = self._grads_down = self._weights_up = self._scalars = None
+        self._uploaded = None   # the event of the last copy up (GPU weights)
+        if offload:
+            self._host_params = self.masters if sixteen else zeros(size)
+            if not sixteen:
+                self._host_params.copy_(flat.weights_of(start, stop))
+            self._grads_down = zeros(size)
+            self._weights_up = zeros(size, flat.dtype) if sixteen else None
+            if self._weights_up is not None:
+                self._weights_up.copy_(flat.weights_of(start, stop))
+            self._scalars = zeros(2)   # the step's gradient scale and skip flag, copied down together
         # This rank's range cut at the parameters' ends (for their groups) and the buckets' (for the wire).
         wires = reducer.reduced_range()
         cuts = sorted({start, stop, *(a for a, _, _ in wires), *flat.offsets})
@@ -86,6 +127,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _views_of(self, pieces: list[tuple[int, int]], wires) -> dict[str, list[Tensor]]:
         start = self.range[0]
         local = [(a - start, b - start) for a, b in pieces]
+        if self.offload:
+            return {"grads": [self._grads_down[a:b] for a, b in local],
+                    "params": [self._host_params[a:b] for a, b in local],
+                    "exp_avgs": [self.exp_avg[a:b] for a, b in local],
+                    "exp_avg_sqs": [self.exp_avg_sq[a:b] for a, b in local],
+                    "copies": [] if self._weights_up is None else [self._weights_up[a:b] for a, b in local]}
         weights = [self.flat.weights_of(a, b) for a, b in pieces]
         return {"grads": [_slice_of(wires, a, b) for a, b in pieces],
                 "params": weights if self.masters is None else [self.masters[a:b] for a, b in local],
@@ -131,6 +178,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             grad_scale = torch.full((1,), float(grad_scale), device=device)
         scale = self.reducer.reduced_scale() * grad_scale.to(device=device, dtype=torch.float32).reshape(1)
         skip = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device).reshape(1)
+        if self.offload:
+            scale, skip = self._copy_down(scale, skip)
         moved = 1.0 - (skip != 0).float()
         for group, views, count in zip(self.param_groups, self._views, self.steps):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -141,8 +190,37 @@ class ShardedAdamW(torch.optim.Optimizer):
             ops.adamw_(views["grads"], views["params"], views["exp_avgs"], views["exp_avg_sqs"], views["copies"],
                        grad_scale=scale, found_inf=skip, step=count, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"])
+        if self.offload and not skip.item():   # a host tensor: no wait on the device
+            self._copy_up()
         self.all_gather()
         return loss
+
+    def _copy_down(self, scale: Tensor, skip: Tensor) -> tuple[Tensor, Tensor]:
+        """The reduced gradient range into the host's fp32 staging, and the step's scale
+        and skip flag beside it (one 2-element copy), waited for: their host views."""
+        low = self.range[0]
+        for a, b, wire in self.reducer.reduced_range():
+            self._grads_down[a - low:b - low].copy_(wire, non_blocking=True)
+        self._scalars.copy_(torch.cat([scale.reshape(1).float(), skip.reshape(1).float()]), non_blocking=True)
+        if self.flat.device.type == "cuda":
+            # On the current stream, after the last copy up: the host's buffers are free again too.
+            torch.cuda.current_stream(self.flat.device).synchronize()
+        return self._scalars[0:1], self._scalars[1:2]
+
+    def _copy_up(self) -> None:
+        """The new weights of the range from the host into the flat weights, not waited
+        for: the next gather or all-gather comes after it on the current stream."""
+        source = self._weights_up if self._weights_up is not None else self._host_params
+        self.flat.weights_of(*self.range).copy_(source, non_blocking=True)
+        if self.flat.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.flat.device))
+
+    def _wait_up(self) -> None:
+        """Before the host's buffers are written outside a step: the copy up from them is done."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
 
     def all_gather(self) -> None:
         """Every rank gets every owner's weights: one broadcast per bucket of the flat
@@ -159,8 +237,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                                         f"rank {bucket.owner}")
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank keeps (its range's masters and moments)."""
+        """Bytes of optimizer state this rank keeps on its device (its range's masters and
+        moments; none when they are offloaded: host_bytes())."""
+        if self.offload:
+            return 0
         kept = [self.exp_avg, self.exp_avg_sq] + ([self.masters] if self.masters is not None else [])
+        return sum(t.numel() * t.element_size() for t in kept)
+
+    def host_bytes(self) -> int:
+        """Bytes this rank keeps in host memory for its offloaded range: the params AdamW
+        steps, the two moments and the staging of the copies down and up (0 without
+        offload)."""
+        if not self.offload:
+            return 0
+        kept = [self._host_params, self.exp_avg, self.exp_avg_sq, self._grads_down] + \
+            ([self._weights_up] if self._weights_up is not None else [])
         return sum(t.numel() * t.element_size() for t in kept)
 
     def shard_state(self) -> dict[str, Tensor]:
@@ -179,6 +270,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         that was resharded to this rank's range) and writes the masters' 16-bit values
         into the weights, so that every rank's weights follow the masters."""
         size = self.range[1] - self.range[0]
+        self._wait_up()
         for name, tensor in self.shard_state().items():
             given = state.get(name)
             if given is None or given.numel() != size:
@@ -187,6 +279,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             tensor.copy_(given.reshape(-1))
         if self.masters is not None:
             self.flat.weights_of(*self.range).copy_(self.masters)
+        if self.offload:   # the host's copies follow the weights (fp32: the copy that is stepped)
+            (self._weights_up if self._weights_up is not None else self._host_params).copy_(
+                self.flat.weights_of(*self.range))
         self.all_gather()
 
     def state_dict(self) -> dict:

@@ -1,0 +1,129 @@
+"""The optimizer state offloaded to host memory (Shard(offload="optimizer"),
+ShardedAdamW(offload=True)) on Gloo ranks. On CPU ranks the host is the device, yet the
+same copies are made (the reduced gradient range down into the host's staging, the new
+weights up from it) and the same CPU adamw_ kernel steps: an offloaded step is the step
+without offload bit for bit, with fp32 and bf16 weights, fully sharded or the state
+alone; the device keeps no state, the host 18 bytes an element (16 for fp32 weights);
+the ranges are sized by what the device keeps; bad settings are refused by name."""
+
+import pytest
+import torch
+from distributed import run_ranks, values
+from sharded_models import TinyBlocks, block_elements, root_elements
+from test_loop import GLOBAL_BATCH, SEED, MaskedTokens, masked_loss
+
+from hetcomm.loop import BalancedLoop
+from hetcomm.shard import Shard, ShardedAdamW
+from hetcomm.shard.layout import ALIGN, host_bytes_per_element, layout_by_host_memory, state_bytes_per_element
+
+ELEMENTS = root_elements() + 3 * block_elements()
+# The same explicit ranges with and without offload: the reduction's sums are then the same.
+RANGES = [96, 96, 160, ELEMENTS - 352]
+SKIPPED_AT = 2   # a step told found_inf after the real one: nothing may move
+
+
+def groups(model):
+    return [{"params": [p for p in model.parameters() if p.dim() == 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02}]
+
+
+def steps_of(rank, world, dtype, weights, offload, steps=4):
+    model = TinyBlocks().to(dtype)
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
+                        split=[1, 3, 5, 7], shard=Shard(ranges=RANGES, weights=weights,
+                                                        offload="optimizer" if offload else None))
+    optimizer = ShardedAdamW(groups(model), loop.reducer, lr=0.05, betas=(0.9, 0.95), offload=offload)
+    losses_seen = []
+    for step in loop.steps(steps):
+        for batch in step:
+            loss, count = masked_loss(model, batch)
+            step.backward(loss, count=count)
+        result = step.reduce()
+        optimizer.step(grad_scale=result.clip_coefficient(1.0))
+        if step.number == SKIPPED_AT:
+            optimizer.step(grad_scale=result.clip_coefficient(1.0), found_inf=torch.ones(1))
+        losses_seen.append(result.loss)
+    if loop.sharded_weights is not None:
+        with loop.sharded_weights.gathered():
+            weights_now = [p.detach().clone() for p in model.parameters()]
+    else:
+        weights_now = [p.detach().clone() for p in model.parameters()]
+    state = {name: t.detach().to("cpu", copy=True) for name, t in optimizer.shard_state().items()}
+    devices = {name: t.device.type for name, t in optimizer.shard_state().items()}
+    return {"losses": losses_seen, "weights": weights_now, "state": state, "range": optimizer.range,
+            "state_bytes": optimizer.state_bytes(), "host_bytes": optimizer.host_bytes(), "devices": devices,
+            "steps": [c.item() for c in optimizer.steps], "held": loop.memory_held_by_training()}
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["full", "state"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_offloaded_step_is_the_device_step_bit_for_bit(tmp_path, dtype, weights):
+    plain = values(run_ranks(4, steps_of, dtype, weights, False, tmp_path=tmp_path / "plain"))
+    offloaded = values(run_ranks(4, steps_of, dtype, weights, True, tmp_path=tmp_path / "offloaded"))
+    for rank, (a, b) in enumerate(zip(plain, offloaded)):
+        assert a["range"] == b["range"] and b["range"][1] - b["range"][0] == RANGES[rank]
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"])), rank
+        assert a["state"].keys() == b["state"].keys()
+        for name in a["state"]:
+            assert torch.equal(a["state"][name], b["state"][name]), (rank, name)
+        assert a["steps"] == b["steps"] == [4.0, 4.0]   # the skipped step counted nowhere
+        size = RANGES[rank]
+        # The device keeps no state; the host the params AdamW steps, two moments and the staging.
+        assert b["state_bytes"] == 0 and a["state_bytes"] == (8 if dtype == torch.float32 else 12) * size
+        assert b["host_bytes"] == host_bytes_per_element(dtype) * size and a["host_bytes"] == 0
+        assert b["host_bytes"] == (16 if dtype == torch.float32 else 18) * size
+        assert set(b["devices"].values()) == {"cpu"}
+        assert a["held"] - b["held"] == a["state_bytes"]   # the loop counts what the device keeps
+    assert plain[0]["losses"][-1] < plain[0]["losses"][0]
+
+
+def test_offload_sizes_ranges_by_what_the_device_keeps():
+    # Per element on the device: the weights' range and the streamed gradients' fp32 sum.
+    assert state_bytes_per_element(torch.bfloat16, weights=True, streamed=True, offload=True) == 6
+    assert state_bytes_per_element(torch.float32, weights=True, streamed=True, offload=True) == 8
+    assert state_bytes_per_element(torch.bfloat16, weights=True, offload=True) == 2   # whole gradients per rank
+    assert state_bytes_per_element(torch.bfloat16, offload=True) == 0                # the state alone: nothing
+    assert host_bytes_per_element(torch.bfloat16) == host_bytes_per_element(torch.float16) == 18
+    assert host_bytes_per_element(torch.float32) == 16
+    # The state alone offloaded: by the hosts' memory (a 4-card machine's share against a 2-card one's), or equal.
+    total = 100_000
+    equal = layout_by_host_memory(None, 4, total, torch.bfloat16, "test").sizes()
+    assert sum(equal) == total and max(equal) - min(equal) <= ALIGN
+    by_host = layout_by_host_memory([18 * 10_000, 18 * 10_000, 18 * 40_000, 18 * 40_000], 4, total,
+                                    torch.bfloat16, "test").sizes()
+    assert by_host == [10_000, 10_000, 40_000, 40_000]
+    with pytest.raises(ValueError, match=r"host memory for the offloaded optimizer state .* 18 bytes per element"):
+        layout_by_host_memory([18 * 1000] * 4, 4, total, torch.bfloat16, "test")
+
+
+def layouts(rank, world, weights, memory):
+    model = TinyBlocks()
+    shard = Shard(memory=memory, weights=weights, offload="optimizer")
+    loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
+                        memory_caps=[4] * world if weights else None, shard=shard)
+    return loop.reducer.layout.sizes()
+
+
+def test_the_loop_sizes_offloaded_ranges_by_device_or_host_memory(tmp_path):
+    def near_share(size, capacity):   # rank 0's range: proportional to what each rank can hold, to ALIGN
+        return abs(size - ELEMENTS * capacity / (capacity + ELEMENTS)) < ALIGN
+
+    # Fully sharded: memory is the device's, 8 bytes an element (fp32 weight, fp32 sum) and 4 of
+    # scratch: rank 0 holds 300 elements (at 16 + 4 without offload, 180, and both only 1454 of them).
+    device = [12 * 300, 12 * ELEMENTS]
+    sizes = values(run_ranks(2, layouts, True, device, tmp_path=tmp_path / "full"))[0]
+    assert sum(sizes) == ELEMENTS and near_share(sizes[0], 300)
+    # The state alone without memory: equal ranges (nothing probed, no error on CPU ranks).
+    sizes = values(run_ranks(2, layouts, False, None, tmp_path=tmp_path / "equal"))[0]
+    assert sum(sizes) == ELEMENTS and abs(sizes[0] - sizes[1]) <= ALIGN
+    # ... with memory: each rank's host share, 16 bytes an element for fp32 weights.
+    sizes = values(run_ranks(2, layouts, False, [16 * 200, 16 * ELEMENTS], tmp_path=tmp_path / "host"))[0]
+    assert sum(sizes) == ELEMENTS and near_share(sizes[0], 200)
+
+
+def test_bad_offload_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"Shard: offload = 'weights': expected None or 'optimizer'"):
+        Shard(offload="weights")
+    with pytest.raises(ValueError, match=r"ShardedAdamW: offload = 'yes': expected True"):
+        ShardedAdamW(TinyBlocks().parameters(), None, offload="yes")
