@@ -9,12 +9,13 @@ Memory, per card (rank), on the device; w the weights' itemsize (2 for 16-bit we
   an fp32 gradient accumulator of the range (4) and, unless offloaded, the optimizer
   state: an fp32 master (4, none for fp32 weights) and AdamW's two fp32 moments (8).
   18 bytes an element for 16-bit weights (6 offloaded); 16 for fp32 weights (8 offloaded);
-- transient: the gathered weights of at most 2 layer units at a time (the one computing
-  and the next, prefetched), 2 x the largest unit x w, and the units' gradients, at most
-  2 at a time in the weights' dtype (one being computed, one on the wire), 2 x the
-  largest unit x w. A layer unit is one transformer block; the embeddings (token and
-  position tables, with BERT's token types and norm) and an untied head (BERT: pooler and
-  head together) are units of their own; the final norm joins the last block's unit;
+- transient, as hetcomm.shard.weights and hetcomm.shard.streamed hold them: the root
+  (every parameter outside the blocks: the embeddings, with BERT's token types and norm,
+  a tied or untied head, the final norm), gathered for the model's whole forward and
+  backward, and at most two blocks gathered beside it (the one computing and the next,
+  prefetched): (root + 2 x the largest block) x w; and gradients as many, in the weights'
+  dtype (the root's, which the backward accumulates until its end, a block's being
+  computed and one on the wire): (root + 2 x the largest block) x w;
 - the activations of its micro-batch: without checkpointing as the unsharded planner
   counts them (hetcomm.plan.model_shape, llama_shape); with checkpointing each block
   keeps only its input, the fp32 residual stream (seq x hidden x 4 bytes a sample, in
@@ -145,6 +146,13 @@ def layer_units(model, seq: int) -> tuple[int, ...]:
     return units
 
 
+def transient_elements(units: Sequence[int], blocks: int) -> int:
+    """The root (every unit but the `blocks` after the first, see layer_units) and the
+    two largest blocks: what a rank holds gathered at most, and as many gradients."""
+    inner = units[1:1 + blocks]
+    return sum(units) - sum(inner) + sum(sorted(inner)[-2:])
+
+
 def block_activation_bytes(model, seq: int, kept: str, attention: str, gelu: str) -> float:
     """One block's full activations per sample (what a checkpointed block recomputes)."""
     twice = replace(model, n_layer=2 * model.n_layer)
@@ -176,8 +184,8 @@ class FullCard:
     weights_bytes: int            # its range's weights
     gradient_bytes: int           # its range's fp32 gradient accumulator
     state_bytes: int              # masters and moments on the device (0 when offloaded)
-    gathered_bytes: int           # two units' gathered weights
-    unit_gradient_bytes: int      # two units' gradients
+    gathered_bytes: int           # the root and two blocks gathered
+    unit_gradient_bytes: int      # as many gradients
     context_bytes: float
     activation_bytes: float       # of its planned micro-batch
     activation_per_sample: float  # checkpointed or not
@@ -312,7 +320,7 @@ def full_room(members, model, seq: int, checkpointing: str, offload: bool):
         weights = weight_dtype(candidates)
         w = DTYPES[weights].itemsize
         per = persistent_bytes_per_element(weights, offload)
-        transient = 4 * max(units) * w
+        transient = 2 * transient_elements(units, model.n_layer) * w
         cards = {}
         for m in candidates:
             kept = STORAGE[m.cost.precision]
@@ -337,7 +345,7 @@ def full_room(members, model, seq: int, checkpointing: str, offload: bool):
             continue
         activations = smallest(card)
         how = "one sample's activations" + ("" if checkpointing == "off" else ", checkpointed,")
-        left_out.append((m, f"the CUDA context, two layer units' gathered weights and gradients "
+        left_out.append((m, f"the CUDA context, the root's and two blocks' gathered weights and gradients "
                             f"({transient / GIB:.2f} GiB) and {how} ({activations / GIB:.2f} GiB) leave "
                             f"{max(0.0, card.base - activations) / GIB:.2f} GiB of its "
                             f"{m.cost.memory_bytes / GIB:.1f} GiB usable, less than the {least:,} bytes of "
@@ -353,7 +361,7 @@ def full_room(members, model, seq: int, checkpointing: str, offload: bool):
             f"{model.name} at --seq {seq} does not fit even fully sharded (--shard full"
             f"{' --offload optimizer' if offload else ''}): its {parameters:,} elements need {per} bytes each of "
             f"{held}, {per * parameters / GIB:.2f} GiB, and the {n} {sum(rooms) / GIB:.2f} GiB left for them once "
-            f"each holds the CUDA context, two layer units' gathered weights and gradients and one sample's "
+            f"each holds the CUDA context, the root's and two blocks' gathered weights and gradients and one sample's "
             f"activations{'' if checkpointing == 'off' else ' (checkpointed)'} ({short / GIB:.2f} GiB short)", short)
     return fits, left_out, weights, units, figures, rooms
 

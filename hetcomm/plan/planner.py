@@ -25,6 +25,7 @@ from hetcomm.plan.full_shard import (CHECKPOINTING, HOST_BANDWIDTH_GBS, HOST_MEM
                                      FullCard, FullShardDoesNotFit, FullShardPlan, HostMemory, _collective,
                                      checkpointed_member, device_update_bytes_per_element, full_caps, full_ranges,
                                      full_room, host_bytes_per_element, lock_step_compute, micro_steps, pcie_gbs,
+                                     transient_elements,
                                      persistent_bytes_per_element)
 from hetcomm.plan.model_shape import ModelShape
 from hetcomm.plan.precision import CHOICES as PRECISION_CHOICES, PrecisionChoice
@@ -408,7 +409,8 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
             update = size * device_update_bytes_per_element(weights) / (m.device.bandwidth_gbs * 1e9
                                                                          * BANDWIDTH_EFFICIENCY)
         state = 0 if offload else size * (per - w - 4)
-        full = FullCard(micro, on, size, size * w, size * 4, state, 2 * max(units) * w, 2 * max(units) * w,
+        held = transient_elements(units, model.n_layer) * w
+        full = FullCard(micro, on, size, size * w, size * 4, state, held, held,
                         CONTEXT_BYTES, m.cost.activation_bytes * micro, m.cost.activation_bytes, m.cost.memory_bytes,
                         free, size * host_bytes_per_element(weights) if offload else 0, pcie, update)
         cards.append(full)

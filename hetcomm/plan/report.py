@@ -227,8 +227,8 @@ def _full_lines(plan: Plan) -> list[str]:
     lines = [f"  fully sharded by memory{where}: P = {full.elements:,} elements of {full.weight_dtype} weights in "
              f"{len(full.units)} layer units (largest {full.largest_unit / 1e6:.1f}M elements); each card holds its "
              f"range's weights ({w} B) + fp32 gradient accumulator (4 B){state}: "
-             f"{full.persistent_bytes_per_element} B an element, two units' gathered weights and two units' "
-             f"gradients ({4 * full.largest_unit * w / GIB:.2f} GiB) and its micro-batch's activations",
+             f"{full.persistent_bytes_per_element} B an element, the root's and two blocks' gathered weights and "
+             f"gradients ({full.cards[0].transient_bytes / GIB:.2f} GiB) and its micro-batch's activations",
              f"  {'GiB per card':<26} {'ckpt':>4} {'micro':>5} {'weights':>7} {'grads':>6} {'state':>6} "
              f"{'units':>6} {'ctx':>4} {'activ':>6} {'held/usable':>12} {'range':>6}"]
     for member, card in zip(plan.members, full.cards):
