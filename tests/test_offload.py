@@ -1,20 +1,31 @@
 """The optimizer state offloaded to host memory (Shard(offload="optimizer"),
-ShardedAdamW(offload=True)) on Gloo ranks. On CPU ranks the host is the device, yet the
-same copies are made (the reduced gradient range down into the host's staging, the new
-weights up from it) and the same CPU adamw_ kernel steps: an offloaded step is the step
-without offload bit for bit, with fp32 and bf16 weights, fully sharded or the state
-alone; the device keeps no state, the host 18 bytes an element (16 for fp32 weights);
-the ranges are sized by what the device keeps; bad settings are refused by name."""
+ShardedAdamW(offload=True), `hetcomm train --offload optimizer`) on Gloo ranks. On CPU
+ranks the host is the device, yet the same copies are made (the reduced gradient range
+down into the host's staging, the new weights up from it) and the same CPU adamw_ kernel
+steps: an offloaded run is the run without offload bit for bit, with fp32 and bf16
+weights, fully sharded or the state alone; the device keeps no state, the host 18 bytes
+an element (16 for fp32 weights); the ranges are sized by what the device keeps;
+checkpoints resume on another world size; bad settings are refused by name."""
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks, values
 from sharded_models import TinyBlocks, block_elements, root_elements
 from test_loop import GLOBAL_BATCH, SEED, MaskedTokens, masked_loss
+from test_train_full_shard import full_config, joined
+from test_trainer import losses, tiny_config
 
 from hetcomm.loop import BalancedLoop
+from hetcomm.loop.checkpoint import checkpoints
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard.layout import ALIGN, host_bytes_per_element, layout_by_host_memory, state_bytes_per_element
+from hetcomm.train.config import from_args, parser, validate
+from hetcomm.train.trainer import Trainer
 
 ELEMENTS = root_elements() + 3 * block_elements()
 # The same explicit ranges with and without offload: the reduction's sums are then the same.
@@ -127,3 +138,99 @@ def test_bad_offload_settings_are_refused_by_name():
         Shard(offload="weights")
     with pytest.raises(ValueError, match=r"ShardedAdamW: offload = 'yes': expected True"):
         ShardedAdamW(TinyBlocks().parameters(), None, offload="yes")
+
+
+# --- hetcomm train --offload optimizer ------------------------------------------------
+
+def run_held(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run()
+    sharded = trainer.loop.sharded_weights
+    with sharded.gathered():
+        weights = [p.detach().clone() for p in trainer.model.parameters()]
+    state = {name: t.detach().to("cpu", copy=True) for name, t in trainer.optimizer.shard_state().items()}
+    return {"losses": losses(config.out) if rank == 0 else None, "weights": weights, "state": state,
+            "range": sharded.range, "state_bytes": trainer.optimizer.state_bytes(),
+            "host_bytes": trainer.optimizer.host_bytes(), "description": trainer._weights_description()}
+
+
+def test_train_full_shard_with_offload_is_the_run_without_it_bit_for_bit(tmp_path):
+    config = full_config(tmp_path, split="1,3,5,7", out=str(tmp_path / "plain"))
+    plain = values(run_ranks(4, run_held, config, tmp_path=tmp_path / "p"))
+    offloaded = values(run_ranks(4, run_held, replace(config, offload="optimizer", out=str(tmp_path / "off")),
+                                 tmp_path=tmp_path / "o"))
+    assert offloaded[0]["losses"] == plain[0]["losses"] and len(plain[0]["losses"]) == config.steps
+    for a, b in zip(plain, offloaded):
+        assert a["range"] == b["range"]   # sized by 6 bytes an element instead of 18: the same shares here
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+        assert all(torch.equal(a["state"][n], b["state"][n]) for n in ("master", "exp_avg", "exp_avg_sq"))
+        size = b["range"][1] - b["range"][0]
+        assert b["state_bytes"] == 0 and b["host_bytes"] == 18 * size and a["state_bytes"] == 12 * size
+        assert f"state offloaded: {18 * size:,} bytes of host memory" in b["description"]
+
+
+def interrupted(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run(until=3)
+    trainer.save_checkpoint()
+    if rank == 0:
+        shutil.copytree(config.out, Path(config.out).with_name("at-step-3"))
+    dist.barrier()
+    trainer.run()
+    return losses(config.out) if rank == 0 else None
+
+
+def resumed(rank, world, config, checkpoint):
+    trainer = Trainer(replace(config, resume=checkpoint), rank, world, torch.device("cpu"))
+    loaded = {name: t.detach().to("cpu", copy=True) for name, t in trainer.optimizer.shard_state().items()}
+    step = trainer.step
+    trainer.run()
+    return (losses(config.out) if rank == 0 else None), loaded, step
+
+
+def test_an_offloaded_run_resumes_bit_for_bit_and_on_three_ranks(tmp_path):
+    config = full_config(tmp_path, split="2,3,5,6", offload="optimizer", out=str(tmp_path / "straight"))
+    straight = values(run_ranks(4, interrupted, config, tmp_path=tmp_path))
+    checkpoint = str(checkpoints(tmp_path / "at-step-3")[0])
+    again = values(run_ranks(4, resumed, replace(config, out=str(tmp_path / "again")), checkpoint,
+                             tmp_path=tmp_path / "a"))
+    assert again[0][2] == 3 and again[0][0] == straight[0][3:]
+    three = values(run_ranks(3, resumed, replace(full_config(tmp_path, world=3, split="4,5,7"), offload="optimizer",
+                                                 out=str(tmp_path / "three")), checkpoint, tmp_path=tmp_path / "t"))
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(joined([r[1] for r in three], name), joined([r[1] for r in again], name))
+    assert len(three[0][0]) == 3 and all(torch.isfinite(torch.tensor(three[0][0])))
+    # The ranges' format is the same offloaded or not: a run without offload resumes it too, on 3 ranks.
+    kept = values(run_ranks(3, resumed, replace(full_config(tmp_path, world=3, split="4,5,7"),
+                                                out=str(tmp_path / "kept")), checkpoint, tmp_path=tmp_path / "k"))
+    assert kept[0][0] == three[0][0]
+
+
+def test_fp32_state_sharding_offloaded_resumes_bit_for_bit(tmp_path):
+    """fp32 weights, the state alone sharded: the host's copy of the range's weights is
+    what AdamW steps, and a resume must set it from the checkpoint's weights."""
+    config = tiny_config(tmp_path, precision="fp32", global_batch=16, equal_steps=0, split="6,10", shard="state",
+                         offload="optimizer", out=str(tmp_path / "straight"))
+    straight = values(run_ranks(2, interrupted, config, tmp_path=tmp_path))
+    checkpoint = str(checkpoints(tmp_path / "at-step-3")[0])
+    again = values(run_ranks(2, resumed, replace(config, out=str(tmp_path / "again")), checkpoint,
+                             tmp_path=tmp_path / "a"))
+    assert again[0][2] == 3 and again[0][0] == straight[0][3:]
+    assert set(again[0][1]) == {"exp_avg", "exp_avg_sq"}   # the weights are the model's, saved whole
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"shard": False, "state_memory": None}, r"--offload optimizer offloads the sharded optimizer state; add --shard"),
+    ({"offload": "weights"}, r"--offload 'weights': expected one of optimizer"),
+])
+def test_bad_offload_options_are_refused_by_name(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        validate(replace(full_config(tmp_path), **{"offload": "optimizer", **changes}), 4)
+
+
+def test_bad_offload_arguments_are_refused_by_name(tmp_path):
+    with pytest.raises(SystemExit):   # argparse: one line naming --offload and its choices
+        parser().parse_args(["--offload", "gpu"])
+    config = from_args(parser().parse_args(["--offload", "optimizer", "--data", str(tmp_path)]))
+    with pytest.raises(ValueError, match=r"--offload optimizer .* add --shard"):
+        validate(config, 4)

@@ -19,6 +19,7 @@ DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machi
 WIRES = ("float16", "float32", "bfloat16")
 WEIGHTS = ("compute", "fp32")
 SHARD_MODES = ("state", "full")
+OFFLOADS = ("optimizer",)
 BALANCE = ("dynamic", "static", "equal")
 
 
@@ -56,6 +57,7 @@ class TrainConfig:
     # "full": the weights too, each layer gathered while it computes, the gradients streamed
     shard: bool | str = False
     state_memory: str | None = None   # bytes per rank left for that state; default: probed on GPUs, host's on CPUs
+    offload: str | None = None    # "optimizer": the sharded optimizer state in host memory, stepped there
     # the cluster
     nproc: int | None = None
     device: str = "auto"          # auto: cuda if available, else cpu
@@ -143,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
                        help="with --shard: bytes each rank has left for its range of the state, e.g. 9G,9G,9G,28G "
                             "(suffixes K, M, G); default: measured on GPUs after one window's forward and backward, "
                             "the host's available memory shared equally on CPUs")
+    shard.add_argument("--offload", choices=OFFLOADS, default=d.offload,
+                       help="with --shard: optimizer = keep each rank's range of the optimizer state (fp32 masters, "
+                            "AdamW's moments) in host memory (pinned), stepped there by the CPU AdamW kernel from "
+                            "its reduced gradient range copied down, the new weights copied up (18 bytes an element "
+                            "of host memory, 16 for fp32 weights). With --shard full, --state-memory is still the "
+                            "device's room (the range's weights and gradient sum); with --shard state it is each "
+                            "rank's share of its host's memory for the state, and the ranges are equal without it")
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
     cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
@@ -222,6 +231,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ValueError("--shard full on GPUs needs --state-memory and --memory-caps (hetcomm plan --shard full "
                          "prints both): probing a card's room would hold the whole model, and every rank's "
                          "micro-batches must be known to align their layers' gathers")
+    if config.offload is not None:
+        if config.offload not in OFFLOADS:
+            raise ValueError(f"--offload {config.offload!r}: expected one of {', '.join(OFFLOADS)}")
+        if not config.shard:
+            raise ValueError("--offload optimizer offloads the sharded optimizer state; add --shard (state or full) "
+                             "or leave it out")
     if config.state_memory is not None:
         if not config.shard:
             raise ValueError("--state-memory sizes the ranges of --shard; add --shard or leave it out")

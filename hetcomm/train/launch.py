@@ -113,6 +113,9 @@ def _print_summary(out: Path, config: TrainConfig, world: int) -> None:
         print(f"  {shard.get('what', 'optimizer state')} sharded by memory: ranks own {owned} of "
               f"{sum(shard['elements']):,} elements, keeping {'/'.join(f'{b:,}' for b in shard['state_bytes'])} "
               f"bytes of state (unsharded, each would keep {shard['unsharded_state_bytes']:,})")
+        if shard.get("host_bytes"):
+            print(f"  optimizer state offloaded: {'/'.join(f'{b:,}' for b in shard['host_bytes'])} bytes of host "
+                  f"memory per rank")
     handoffs = [s for s in steps if s.get("handoff")]
     if handoffs:
         listed = ", ".join(str(s["step"]) for s in handoffs[:10]) + (", ..." if len(handoffs) > 10 else "")

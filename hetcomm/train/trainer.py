@@ -39,7 +39,7 @@ from hetcomm.loop.census import describe_by_node
 from hetcomm.optim import AdamW
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard import checkpoint as shard_checkpoint
-from hetcomm.shard.layout import state_bytes_per_element
+from hetcomm.shard.layout import host_bytes_per_element, state_bytes_per_element
 from hetcomm.train.config import TrainConfig, full_shard, parse_caps, parse_split, parse_state_memory
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
@@ -197,7 +197,8 @@ class Trainer:
             # In the flat order, which full sharding makes the blocks' order.
             masters = None if initial_masters is None else [initial_masters[id(p)] for p in self.loop.flat.params]
             self.optimizer = ShardedAdamW(param_groups(list(self.model.parameters()), config), self.loop.reducer,
-                                          lr=config.lr, betas=(0.9, 0.95), initial_masters=masters)
+                                          lr=config.lr, betas=(0.9, 0.95), initial_masters=masters,
+                                          offload=config.offload == "optimizer")
         else:
             self.optimizer = make_optimizer(self.trained_params(), config,
                                             list(self.model.parameters()) if self.masters is not None else None)
@@ -231,17 +232,19 @@ class Trainer:
         return self.loop.step
 
     def _shard(self, world: int, device: torch.device) -> Shard:
-        """--state-memory, or on GPUs the memory each rank measures, or on CPUs the host's
-        available memory shared by its ranks."""
+        """--state-memory, or on GPUs the memory each rank measures (with the state alone
+        sharded and offloaded: equal ranges), or on CPUs the host's available memory
+        shared by its ranks."""
         full = full_shard(self.config)
+        offload = self.config.offload
         if self.config.state_memory is not None:
-            return Shard(memory=parse_state_memory(self.config.state_memory, world), weights=full)
+            return Shard(memory=parse_state_memory(self.config.state_memory, world), weights=full, offload=offload)
         if device.type == "cuda":
-            return Shard()
+            return Shard(offload=offload)
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         host = torch.tensor([available], dtype=torch.float64)
         dist.all_reduce(host, op=dist.ReduceOp.MIN)   # ranks may share a host: each takes a world's share
-        return Shard(memory=[int(host.item()) // world] * world, weights=full)
+        return Shard(memory=[int(host.item()) // world] * world, weights=full, offload=offload)
 
     def _summed_loss(self, batch) -> torch.Tensor:
         inputs, targets = batch
@@ -283,8 +286,10 @@ class Trainer:
         if self.config.shard:
             sixteen = self.loop.flat.dtype != torch.float32
             what = "weights, gradients and state" if full_shard(self.config) else "state"
-            return f"{'16-bit' if sixteen else 'fp32'}, {what} sharded ({self.optimizer.state_bytes():,} bytes of " \
-                   f"state here)"
+            where = f"{self.optimizer.state_bytes():,} bytes of state here"
+            if self.optimizer.offload:
+                where = f"state offloaded: {self.optimizer.host_bytes():,} bytes of host memory"
+            return f"{'16-bit' if sixteen else 'fp32'}, {what} sharded ({where})"
         return "16-bit, fp32 masters" if self.masters is not None else "fp32"
 
     # --- one step -------------------------------------------------------------------
@@ -422,10 +427,15 @@ class Trainer:
         if self.config.shard:
             sizes = self.loop.reducer.layout.sizes()
             full = full_shard(self.config)
-            per = state_bytes_per_element(self.loop.flat.dtype, weights=full, streamed=full)
+            offload = self.config.offload == "optimizer"
+            per = state_bytes_per_element(self.loop.flat.dtype, weights=full, streamed=full, offload=offload)
             shard = {"elements": sizes, "state_bytes": [n * per for n in sizes],
                      "unsharded_state_bytes": self.loop.flat.total * per,
-                     "what": "weights, gradient sums and optimizer state" if full else "optimizer state"}
+                     "what": ("weights and gradient sums" if offload else "weights, gradient sums and optimizer state")
+                     if full else "optimizer state"}
+            if offload:
+                host = host_bytes_per_element(self.loop.flat.dtype)
+                shard["host_bytes"] = [n * host for n in sizes]
         return {"simulated": self.simulated, "steps": self.step, "seconds": seconds, "shard": shard,
                 "probe_s": self.loop.first_timing_seconds, "phases": phases,
                 "final_split": list(self.loop.split),
