@@ -4,7 +4,7 @@ that name the option."""
 
 def parse_per_rank(option: str, text: str, world_size: int, convert, example: str) -> list:
     """Splits `text` at commas, converts each part, and insists on one value per rank."""
-    kind = "whole numbers" if convert is int else "numbers"
+    kind = "whole numbers" if convert is int else "numbers" if convert is float else "values"
     try:
         values = [convert(part) for part in text.split(",")]
     except ValueError:

@@ -13,6 +13,11 @@ previous in the backward), so at most two layer units are gathered at a time, be
 root unit (hetcomm.shard.units), which the model's forward and backward hold throughout.
 The last layer stays gathered from its forward to its backward, which comes next.
 
+Activation checkpointing (torch.utils.checkpoint, non-reentrant) recomputes a layer's
+forward inside its backward, while the layer is gathered for it: the recompute gathers,
+prefetches and frees nothing, so ranks that checkpoint and ranks that do not issue the
+same collectives.
+
 Collectives must come in the same order on every rank: every rank runs the same model
 code on each micro-batch, and the loop gives every rank the same number of
 micro-batches in a step (BalancedLoop pads a short share with a micro-batch whose loss
@@ -184,6 +189,11 @@ class ShardedWeights:
     def _make_pre_forward(self, unit: _Unit):
         def pre_forward(module, args):
             self._gather(unit, now=True)
+            if self._in_backward:
+                # A checkpointed layer's recompute, for its own backward, which frees the layer
+                # (grad_in): it holds nothing, as it may stop before its end (the
+                # non-reentrant checkpoint stops once it has what the backward needs).
+                return
             unit.holders += 1
             if unit.index + 1 < len(self.units):
                 self._gather(self.units[unit.index + 1], now=False)   # the next layer's, while this one computes
@@ -191,6 +201,8 @@ class ShardedWeights:
 
     def _make_post_forward(self, unit: _Unit):
         def post_forward(module, args, output):
+            if self._in_backward:
+                return   # a recompute (see pre_forward)
             unit.holders -= 1
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]

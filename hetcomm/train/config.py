@@ -58,6 +58,8 @@ class TrainConfig:
     shard: bool | str = False
     state_memory: str | None = None   # bytes per rank left for that state; default: probed on GPUs, host's on CPUs
     offload: str | None = None    # "optimizer": the sharded optimizer state in host memory, stepped there
+    # activation checkpointing per block: "off", "on", or per rank ("on,on,off,off", as the planner prints)
+    checkpointing: str = "off"
     # the cluster
     nproc: int | None = None
     device: str = "auto"          # auto: cuda if available, else cpu
@@ -152,6 +154,11 @@ def parser() -> argparse.ArgumentParser:
                             "of host memory, 16 for fp32 weights). With --shard full, --state-memory is still the "
                             "device's room (the range's weights and gradient sum); with --shard state it is each "
                             "rank's share of its host's memory for the state, and the ranges are equal without it")
+    shard.add_argument("--checkpointing", default=d.checkpointing,
+                       help="activation checkpointing per transformer block: each keeps only its input and "
+                            "recomputes its forward in its backward (about a third more compute for the blocks); "
+                            "off (default), on, or one on/off per rank, e.g. on,on,on,off: the cards whose memory "
+                            "needs it, as hetcomm plan --shard full --checkpointing auto decides and prints")
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--nproc", type=int, help="local worker processes (default: the GPUs, or 4 CPU workers)")
     cluster.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
@@ -237,6 +244,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         if not config.shard:
             raise ValueError("--offload optimizer offloads the sharded optimizer state; add --shard (state or full) "
                              "or leave it out")
+    parse_checkpointing(config.checkpointing, world_size)
     if config.state_memory is not None:
         if not config.shard:
             raise ValueError("--state-memory sizes the ranges of --shard; add --shard or leave it out")
@@ -334,6 +342,19 @@ def parse_split(text: str, world_size: int, global_batch: int) -> tuple[int, ...
 
 
 BYTE_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_checkpointing(text: str, world_size: int) -> list[bool]:
+    """--checkpointing: off, on, or one on/off per rank -> whether each rank checkpoints."""
+    if text in ("off", "on"):
+        return [text == "on"] * world_size
+
+    def on_off(word: str) -> bool:
+        if word not in ("on", "off"):
+            raise ValueError
+        return word == "on"
+
+    return parse_per_rank("--checkpointing", text, world_size, on_off, "on,on,off,off (or off, or on)")
 
 
 def parse_state_memory(text: str, world_size: int) -> list[int]:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied: fewer parameters, the usual GPT choice
+        # Activation checkpointing per block: each keeps only its input and recomputes its
+        # forward in the backward (a card whose memory needs it; hetcomm plan decides).
+        self.checkpointing = False
         self.apply(self._init)
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -96,7 +100,10 @@ class GPT(nn.Module):
         positions = torch.arange(time, device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits, None

@@ -40,7 +40,8 @@ from hetcomm.optim import AdamW
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.shard import checkpoint as shard_checkpoint
 from hetcomm.shard.layout import host_bytes_per_element, state_bytes_per_element
-from hetcomm.train.config import TrainConfig, full_shard, parse_caps, parse_split, parse_state_memory
+from hetcomm.train.config import (TrainConfig, full_shard, parse_caps, parse_checkpointing, parse_split,
+                                  parse_state_memory)
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
 from hetcomm.train.model import GPT, GPTConfig
@@ -156,6 +157,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.data, data_description = load_data(config)
         self.model = GPT(model_config(config, self.data.vocab_size)).to(device)
+        self.model.checkpointing = parse_checkpointing(config.checkpointing, world)[rank]
         self.precision = agree_precision(device, config.precision)
         # Computing in 16-bit with --weights compute: the model holds 16-bit weights (no
         # per-forward casts, half the weight reads) and the optimizer fp32 masters, which
@@ -277,7 +279,7 @@ class Trainer:
         else:
             mine = {"device": "cpu", "capability": None}
         mine.update(host=socket.gethostname(), speed=self.speed.speed, precision=self.precision,
-                    weights=self._weights_description())
+                    weights=self._weights_description(), checkpointing=self.model.checkpointing)
         ranks = [None] * self.world
         dist.all_gather_object(ranks, mine)
         return ranks
