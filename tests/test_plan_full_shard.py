@@ -12,7 +12,8 @@ independently of hetcomm.plan.full_shard:
   each block's fp32 input (4 x seq x hidden) and one block's full activations, beside
   what is kept outside the blocks; 0.5 GiB of CUDA context;
 - ranges proportional to usable memory less all but the range, adding up to P;
-- offload: 16 B an element in the machine's RAM; PCIe 4 B down and 2 B up an element at
+- offload: 18 B an element in the machine's RAM (master, moments, fp32 gradient and 16-bit
+  weight staging); PCIe 4 B down and 2 B up an element at
   12 GB/s (Pascal); the CPU AdamW, 28 B an element at 20 GB/s, over the machine's ranges;
 - every micro-step gathers every weight twice and reduce-scatters every gradient
   ((N-1)/N x P x 2 B each per rank), every rank running the same micro-steps (lock-step).
@@ -116,8 +117,8 @@ def check_full(plan, offload=False):
             pcie = card.elements * (4 + 2) / (12e9 if member.device.architecture == "Pascal" else 24e9)
             assert card.pcie_seconds == pytest.approx(pcie)
             assert card.update_seconds == pytest.approx(pcie + host[member.node] * 28 / 20e9)
-            assert card.host_bytes == 16 * card.elements
-        assert [h.used_bytes for h in full.host] == [16 * host[node] for node in sorted(host)]
+            assert card.host_bytes == 18 * card.elements
+        assert [h.used_bytes for h in full.host] == [18 * host[node] for node in sorted(host)]
     else:
         for member, card in zip(plan.members, full.cards):
             assert card.update_seconds == pytest.approx(30 * card.elements / (member.device.bandwidth_gbs * 1e9 * 0.7))
@@ -197,9 +198,9 @@ def test_llama_32_3b_on_four_1080ti_needs_offload(catalog):
         llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full")
     plan = llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full", offload="optimizer")
     check_full(plan, offload=True)
-    # 16 B an element of 3.21G elements on one machine: 47.9 GiB of its 64.
-    assert plan.full.host[0].used_bytes == 16 * 3_212_749_824
-    with pytest.raises(ValueError, match=r"--offload optimizer: machine 0's 4 cards keep 47\.9 GiB .* more than its "
+    # 18 B an element of 3.21G elements on one machine: 53.9 GiB of its 64.
+    assert plan.full.host[0].used_bytes == 18 * 3_212_749_824
+    with pytest.raises(ValueError, match=r"--offload optimizer: machine 0's 4 cards keep 53\.9 GiB .* more than its "
                                          r"32 GiB \(--host-memory\)"):
         llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full", offload="optimizer", host_memory=32)
 
@@ -247,8 +248,8 @@ def test_the_command_line_prints_per_card_fields_and_json(capsys):
     for card in full["cards"]:
         assert {"micro_batch", "checkpointing", "weights_bytes", "gradient_bytes", "state_bytes", "gathered_bytes",
                 "activation_bytes", "held_bytes", "host_bytes", "pcie_s"} <= set(card)
-        assert card["state_bytes"] == 0 and card["host_bytes"] == 16 * card["elements"]
-    assert full["host"][0]["used_bytes"] == 16 * P_1_5B
+        assert card["state_bytes"] == 0 and card["host_bytes"] == 18 * card["elements"]
+    assert full["host"][0]["used_bytes"] == 18 * P_1_5B
     assert set(record["largest"]["GPT-2"]) == {f"{w}{m}" for w in ("all", "any")
                                                for m in ("", "_sharded", "_full", "_offload")}
 

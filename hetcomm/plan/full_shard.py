@@ -45,8 +45,9 @@ Ranges: as for `--shard` (hetcomm.plan.shard), in three steps:
    sum r_i = the elements.
 
 Offload (`--offload optimizer`): a rank's masters and moments live in pinned host memory
-with an fp32 copy of its reduced gradient range: 16 bytes an element (12 with fp32
-weights), summed over a machine's cards and checked against its RAM (`--host-memory`,
+with an fp32 copy of its reduced gradient range and the new 16-bit weights' staging: 18 bytes
+an element (16 with fp32 weights: hetcomm.shard.layout.host_bytes_per_element), summed
+over a machine's cards and checked against its RAM (`--host-memory`,
 GiB, one figure for every machine or one per machine, default 64). Each step each card
 copies its range's fp32 gradient down (4 bytes an element) and the new weights up (w) at
 its PCIe bandwidth, and the host's CPU AdamW (hetcomm's adamw_ CPU kernel) steps all of
@@ -85,6 +86,7 @@ from hetcomm.plan.cost import (CONTEXT_BYTES, KERNELS_PER_LAYER, SECONDS_PER_KER
                                AllReduceCost)
 from hetcomm.plan.model_shape import BERT_POSITIONS, BERT_TOKEN_TYPES
 from hetcomm.plan.shard import DTYPES, MIN_RANGE, weight_dtype
+from hetcomm.shard.layout import host_bytes_per_element as runtime_host_bytes
 
 GIB = 2**30
 ALIGN = 16                     # range boundaries, as hetcomm.shard.layout's
@@ -108,8 +110,9 @@ def persistent_bytes_per_element(weights: str, offload: bool) -> int:
 
 
 def host_bytes_per_element(weights: str) -> int:
-    """Offloaded: fp32 master (none for fp32 weights), two moments, fp32 gradient staging."""
-    return (8 if weights == "fp32" else 12) + 4
+    """Offloaded, the runtime's own rule (hetcomm.shard.layout): the fp32 params AdamW
+    steps, two moments, fp32 gradient staging, and 16-bit weights' staging on their way up."""
+    return runtime_host_bytes(DTYPES[weights])
 
 
 def device_update_bytes_per_element(weights: str) -> int:
