@@ -77,13 +77,15 @@ def one_process(steps, order=None):
     return losses, norms, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("options", [
-    # Micro-batches 1, 2, 3 and 3: ranks 0-2 are padded to rank 3's three.
-    pytest.param({"split": [1, 3, 5, 7], "memory_caps": [1, 2, 2, 3]}, id="fixed-split-padded"),
+PADDED = {"split": [1, 3, 5, 7], "memory_caps": [1, 2, 2, 3]}   # micro-batches 1, 2, 3, 3: ranks 0-2 padded
+
+
+@pytest.mark.parametrize("options, gradients", [
+    pytest.param(PADDED, "streamed", id="padded-streamed"),
+    pytest.param(PADDED, "whole", id="padded-whole"),
     # The first step timed in parts (runs of different counts on each rank), then rebalanced.
-    pytest.param({}, id="dynamic"),
+    pytest.param({}, "streamed", id="dynamic-streamed"),
 ])
-@pytest.mark.parametrize("gradients", ["streamed", "whole"])
 def test_fully_sharded_weights_train_as_one_process(tmp_path, options, gradients):
     steps = 6
     ranks = values(run_ranks(4, train, steps, options, gradients, tmp_path=tmp_path))
@@ -114,8 +116,7 @@ def test_a_throttled_rank_is_rebalanced_though_the_gathers_keep_the_ranks_in_ste
 
 
 def test_each_rank_holds_its_range_and_at_most_two_layers_beside_the_root(tmp_path):
-    ranks = values(run_ranks(4, train, 2, {"split": [1, 3, 5, 7], "memory_caps": [1, 2, 2, 3]},
-                             tmp_path=tmp_path))
+    ranks = values(run_ranks(4, train, 2, PADDED, tmp_path=tmp_path))
     sizes = [r["range"][1] - r["range"][0] for r in ranks]
     assert sum(sizes) == ELEMENTS
     assert sizes[3] > 2.5 * sizes[0]   # ranges follow memory
