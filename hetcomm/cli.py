@@ -22,8 +22,8 @@ def _run(argv: list[str] | None) -> int:
     commands.add_parser("info", help="versions, built back ends, kernels per op, devices (JSON)")
     commands.add_parser("demo", help="one simulated weighted gradient reduction, checked and timed",
                         add_help=False)
-    commands.add_parser("train", help="train a GPT across devices of different speeds (default: a simulated "
-                                      "cluster of 4 CPU workers)", add_help=False)
+    commands.add_parser("train", help="train a GPT or Llama-style model across devices of different speeds "
+                                      "(default: a simulated cluster of 4 CPU workers)", add_help=False)
     commands.add_parser("report", help="PNG plots of a run directory", add_help=False)
     commands.add_parser("plan", help="predict the split, precision, memory fit and speed of a mixed GPU cluster",
                         add_help=False)

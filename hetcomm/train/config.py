@@ -19,6 +19,7 @@ DEFAULT_CPU_SPEEDS = (1.0, 1.0, 0.5, 0.25)   # relative; scaled to fit the machi
 WIRES = ("float16", "float32", "bfloat16")
 WEIGHTS = ("compute", "fp32")
 SHARD_MODES = ("state", "full")
+ARCHS = ("gpt", "llama")
 OFFLOADS = ("optimizer",)
 BALANCE = ("dynamic", "static", "equal")
 
@@ -29,10 +30,13 @@ class TrainConfig:
     steps: int = 150
     global_batch: int = 48        # training windows per optimizer step, over all ranks
     block_size: int = 128
-    # the model (GPT)
+    # the model: hetcomm.train.model's GPT, or hetcomm.train.llama's Llama-style decoder
+    arch: str = "gpt"
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 192
+    n_kv_head: int | None = None      # llama: key/value heads (grouped-query attention); None: n_head
+    intermediate: int | None = None   # llama: the SwiGLU MLP's width; None: 8/3 n_embd rounded up to 64
     dropout: float = 0.0
     # optimisation: AdamW, linear warm-up then cosine decay to min_lr
     lr: float = 2e-3
@@ -86,7 +90,8 @@ class TrainConfig:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hetcomm train",
-        description="Train a GPT data-parallel across devices of different speeds, each rank getting the share "
+        description="Train a GPT (or a Llama-style model: --arch llama) data-parallel across devices of "
+                    "different speeds, each rank getting the share "
                     "of the global batch it can finish in the same time. Without arguments on a machine without "
                     "GPUs: a simulated cluster of 4 CPU workers with speeds 1, 1, 0.5 and 0.25.",
         epilog="Under torchrun (env://) it joins the job it is given: torchrun --nproc-per-node 4 -m hetcomm train")
@@ -97,10 +102,20 @@ def parser() -> argparse.ArgumentParser:
                      help="windows per optimizer step over all ranks (default %(default)s)")
     job.add_argument("--block-size", type=int, default=d.block_size, help="tokens per window (default %(default)s)")
     model = p.add_argument_group("model")
+    model.add_argument("--arch", choices=ARCHS, default=d.arch,
+                       help="gpt: nanoGPT's (LayerNorm, GELU MLP, learned positions, biases); llama: a Llama-style "
+                            "decoder (RMSNorm, SwiGLU MLP, grouped-query attention, rotary positions, no biases; "
+                            "the computation of transformers' LlamaForCausalLM) (default %(default)s)")
     model.add_argument("--n-layer", type=int, default=d.n_layer)
     model.add_argument("--n-head", type=int, default=d.n_head)
     model.add_argument("--n-embd", type=int, default=d.n_embd)
-    model.add_argument("--dropout", type=float, default=d.dropout)
+    model.add_argument("--n-kv-head", type=int,
+                       help="with --arch llama: key/value heads, a divisor of --n-head (default: --n-head)")
+    model.add_argument("--intermediate", type=int,
+                       help="with --arch llama: the SwiGLU MLP's width (default: 8/3 --n-embd rounded up to a "
+                            "multiple of 64)")
+    model.add_argument("--dropout", type=float, default=d.dropout,
+                       help="gpt: on attention, residual and MLP outputs; llama: on the attention probabilities")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--lr", type=float, default=d.lr)
     opt.add_argument("--min-lr", type=float, default=d.min_lr)
@@ -269,12 +284,28 @@ def _check_finite(config: TrainConfig) -> None:
 def _check_model(config: TrainConfig) -> None:
     """The model's shape, checked here: the GPT built in every rank would refuse it
     only after the processes have started."""
+    if config.arch not in ARCHS:
+        raise ValueError(f"--arch {config.arch!r}: expected one of {', '.join(ARCHS)}")
     for name in ("n_layer", "n_head", "n_embd"):
         if getattr(config, name) < 1:
             raise ValueError(f"{_option(name)} must be at least 1; got {getattr(config, name)}")
     if config.n_embd % config.n_head:
         raise ValueError(f"--n-embd {config.n_embd} must be a multiple of --n-head {config.n_head}: each head "
                          f"gets n_embd / n_head channels")
+    if config.arch != "llama":
+        for name in ("n_kv_head", "intermediate"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"{_option(name)} shapes a Llama-style model; add --arch llama or leave it out")
+    else:
+        for name in ("n_kv_head", "intermediate"):
+            if getattr(config, name) is not None and getattr(config, name) < 1:
+                raise ValueError(f"{_option(name)} must be at least 1; got {getattr(config, name)}")
+        if config.n_kv_head is not None and config.n_head % config.n_kv_head:
+            raise ValueError(f"--n-head {config.n_head} must be a multiple of --n-kv-head {config.n_kv_head}: "
+                             f"each key/value head serves a group of query heads")
+        if (config.n_embd // config.n_head) % 2:
+            raise ValueError(f"--n-embd {config.n_embd} / --n-head {config.n_head} = {config.n_embd // config.n_head} "
+                             f"channels a head: rotary positions need an even number (they turn pairs of channels)")
     if not 0 <= config.dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1); got {config.dropout}")
     if config.rebalance_threshold < 0:

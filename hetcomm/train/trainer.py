@@ -1,7 +1,7 @@
-"""One rank's training run: the GPT, its token windows, AdamW with a warm-up and cosine
-schedule, the log and the checkpoints, composed with a hetcomm.loop.BalancedLoop that
-owns everything of balanced heterogeneous training. The trainer is one client of that
-loop, as a user's own training loop is.
+"""One rank's training run: the model (a GPT, or a Llama-style decoder), its token
+windows, AdamW with a warm-up and cosine schedule, the log and the checkpoints, composed
+with a hetcomm.loop.BalancedLoop that owns everything of balanced heterogeneous training.
+The trainer is one client of that loop, as a user's own training loop is.
 
 Per optimizer step, on every rank:
   1. the loop deals this rank's windows by the current split and yields them as
@@ -44,6 +44,7 @@ from hetcomm.train.config import (TrainConfig, full_shard, parse_caps, parse_che
                                   parse_state_memory)
 from hetcomm.train.data import TokenWindows, load_windows
 from hetcomm.train.data_fingerprint import data_fingerprint, remember_fingerprint
+from hetcomm.train.llama import Llama, LlamaConfig
 from hetcomm.train.model import GPT, GPTConfig
 from hetcomm.train.runlog import RunLog
 from hetcomm.simulated import SimulatedSpeed, parse_slowdown, parse_speeds
@@ -88,12 +89,31 @@ def run_description(config: TrainConfig, world: int, data_description: str, data
     ranks = {"sharded": "full" if full_shard(config) else True} if config.shard else {"world_size": world}
     return {**ranks, "global_batch": config.global_batch, "block_size": config.block_size,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "seed": config.seed,
-            "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps}
+            "wire": config.wire, "data": data_description, "windows": data_size, "steps": config.steps,
+            **llama_description(config)}
 
 
-def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
+def llama_description(config: TrainConfig) -> dict:
+    """A Llama-style run's shape beyond GPT's (nothing for a GPT run: its checkpoints of
+    before --arch still resume)."""
+    if config.arch != "llama":
+        return {}
+    shape = model_config(config, 1)
+    return {"arch": "llama", "n_kv_head": shape.n_kv_head, "intermediate": shape.intermediate}
+
+
+def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig | LlamaConfig:
+    if config.arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
+                           n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
+                           intermediate=config.intermediate, dropout=config.dropout)
     return GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
+
+
+def build_model(config: TrainConfig, vocab_size: int) -> GPT | Llama:
+    shape = model_config(config, vocab_size)
+    return Llama(shape) if isinstance(shape, LlamaConfig) else GPT(shape)
 
 
 def check_resumable(state: dict, config: TrainConfig, vocab_size: int) -> None:
@@ -101,7 +121,7 @@ def check_resumable(state: dict, config: TrainConfig, vocab_size: int) -> None:
     the model's tensors by name and shape (checked on a model without storage), the
     optimizer's state, the loop's state, a step within the run."""
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in GPT(model_config(config, vocab_size)).state_dict().items()}
+        shapes = {name: tuple(t.shape) for name, t in build_model(config, vocab_size).state_dict().items()}
     held = {name: tuple(t.shape) for name, t in state.get("model", {}).items()} \
         if isinstance(state.get("model"), dict) else {}
     for name in sorted(set(shapes) | set(held)):
@@ -156,7 +176,7 @@ class Trainer:
         self.launcher = os.getppid()
         torch.manual_seed(config.seed)
         self.data, data_description = load_data(config)
-        self.model = GPT(model_config(config, self.data.vocab_size)).to(device)
+        self.model = build_model(config, self.data.vocab_size).to(device)
         self.model.checkpointing = parse_checkpointing(config.checkpointing, world)[rank]
         self.precision = agree_precision(device, config.precision)
         # Computing in 16-bit with --weights compute: the model holds 16-bit weights (no
