@@ -7,17 +7,15 @@ weights, fully sharded or the state alone; the device keeps no state, the host 1
 an element (16 for fp32 weights); the ranges are sized by what the device keeps;
 checkpoints resume on another world size; bad settings are refused by name."""
 
-import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_ranks, values
 from sharded_models import TinyBlocks, block_elements, root_elements
 from test_loop import GLOBAL_BATCH, SEED, MaskedTokens, masked_loss
 from test_train_full_shard import full_config, joined
+from test_train_shard import interrupted, resumed
 from test_trainer import losses, tiny_config
 
 from hetcomm.loop import BalancedLoop
@@ -169,32 +167,13 @@ def test_train_full_shard_with_offload_is_the_run_without_it_bit_for_bit(tmp_pat
         assert f"state offloaded: {18 * size:,} bytes of host memory" in b["description"]
 
 
-def interrupted(rank, world, config):
-    trainer = Trainer(config, rank, world, torch.device("cpu"))
-    trainer.run(until=3)
-    trainer.save_checkpoint()
-    if rank == 0:
-        shutil.copytree(config.out, Path(config.out).with_name("at-step-3"))
-    dist.barrier()
-    trainer.run()
-    return losses(config.out) if rank == 0 else None
-
-
-def resumed(rank, world, config, checkpoint):
-    trainer = Trainer(replace(config, resume=checkpoint), rank, world, torch.device("cpu"))
-    loaded = {name: t.detach().to("cpu", copy=True) for name, t in trainer.optimizer.shard_state().items()}
-    step = trainer.step
-    trainer.run()
-    return (losses(config.out) if rank == 0 else None), loaded, step
-
-
 def test_an_offloaded_run_resumes_bit_for_bit_and_on_three_ranks(tmp_path):
     config = full_config(tmp_path, split="2,3,5,6", offload="optimizer", out=str(tmp_path / "straight"))
     straight = values(run_ranks(4, interrupted, config, tmp_path=tmp_path))
     checkpoint = str(checkpoints(tmp_path / "at-step-3")[0])
     again = values(run_ranks(4, resumed, replace(config, out=str(tmp_path / "again")), checkpoint,
                              tmp_path=tmp_path / "a"))
-    assert again[0][2] == 3 and again[0][0] == straight[0][3:]
+    assert again[0][2] == 3 and again[0][0] == straight[0][0][3:]
     three = values(run_ranks(3, resumed, replace(full_config(tmp_path, world=3, split="4,5,7"), offload="optimizer",
                                                  out=str(tmp_path / "three")), checkpoint, tmp_path=tmp_path / "t"))
     for name in ("master", "exp_avg", "exp_avg_sq"):
@@ -215,7 +194,7 @@ def test_fp32_state_sharding_offloaded_resumes_bit_for_bit(tmp_path):
     checkpoint = str(checkpoints(tmp_path / "at-step-3")[0])
     again = values(run_ranks(2, resumed, replace(config, out=str(tmp_path / "again")), checkpoint,
                              tmp_path=tmp_path / "a"))
-    assert again[0][2] == 3 and again[0][0] == straight[0][3:]
+    assert again[0][2] == 3 and again[0][0] == straight[0][0][3:]
     assert set(again[0][1]) == {"exp_avg", "exp_avg_sq"}   # the weights are the model's, saved whole
 
 
