@@ -11,7 +11,9 @@ import torch
 from distributed import run_ranks, values
 from test_train_full_shard import full_config, run_full
 from test_loop import SEED
+from tolerances import REORDERINGS, farthest, order_bound
 
+from hetcomm.balance import WeightedDistributedSampler
 from hetcomm.loop import BalancedLoop
 from hetcomm.shard import Shard, ShardedAdamW
 from hetcomm.train.config import validate
@@ -28,10 +30,11 @@ def windows():
     return TokenWindows(tokens.numpy(), BLOCK)
 
 
-def train(rank, world, checkpointing, shard):
+def train(rank, world, checkpointing, shard, loss_chunk_tokens=None):
     torch.manual_seed(SEED)
     model = GPT(CONFIG)
     model.checkpointing = checkpointing[rank]
+    model.loss_chunk_tokens = loss_chunk_tokens
     options = {}
     if shard is not None:
         options["shard"] = Shard(memory=[10**7] * world, weights=shard == "full")
@@ -63,6 +66,38 @@ def test_checkpointing_on_some_ranks_changes_nothing(tmp_path, shard):
     for (losses, weights), (expected_losses, expected) in zip(mixed, plain):
         assert losses == expected_losses
         assert all(torch.equal(a, b) for a, b in zip(weights, expected))
+
+
+def one_process(order=None):
+    """The same 3 steps on the whole global batch in one process, with torch's AdamW."""
+    torch.manual_seed(SEED)
+    model, data = GPT(CONFIG), windows()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    sampler = iter(WeightedDistributedSampler(len(data), [GLOBAL_BATCH], 0, seed=SEED))
+    losses = []
+    for _ in range(3):
+        indices = list(next(sampler))
+        inputs, targets = torch.utils.data.default_collate([data[i] for i in (order(indices) if order else indices)])
+        optimizer.zero_grad()
+        loss = model(inputs, targets)[1]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_chunked_loss_on_fully_sharded_ranks_trains_as_one_process(tmp_path):
+    """Checkpointing on rank 0 and 2 computes their loss in chunks of 5 tokens (the head,
+    tied to the sharded root's embedding, recomputed chunk by chunk in the backward): the
+    run lands on the one-process run within what reordering its sums moves it."""
+    ranks = values(run_ranks(4, train, [True, False, True, False], "full", 5, tmp_path=tmp_path))
+    expected_losses, expected = one_process()
+    reordered = [one_process(order) for order in REORDERINGS]
+    loss_bound = order_bound([expected_losses], [[losses] for losses, _ in reordered])
+    weight_bound = order_bound(expected, [weights for _, weights in reordered])
+    for losses, weights in ranks:
+        assert farthest([losses], [expected_losses]) <= loss_bound
+        assert farthest(weights, expected) <= weight_bound
 
 
 def saved_bytes(checkpointing: bool) -> int:

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetcomm.train.chunked_loss import chunked_cross_entropy
+
 INTERMEDIATE_MULTIPLE = 64
 
 
@@ -190,7 +192,8 @@ class Llama(nn.Module):
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.wte.weight
-        self.checkpointing = False   # per block, as GPT's
+        self.checkpointing = False   # per block and over the loss's chunks, as GPT's
+        self.loss_chunk_tokens = None
         # transformers' initialisation (initializer_range 0.02; the norms' weights one)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -209,7 +212,10 @@ class Llama(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
+        x = self.norm(x)
+        if targets is not None and self.checkpointing and torch.is_grad_enabled():
+            return None, chunked_cross_entropy(x, self.head.weight, targets, reduction, self.loss_chunk_tokens)
+        logits = self.head(x)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetcomm.train.chunked_loss import chunked_cross_entropy
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -74,8 +76,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied: fewer parameters, the usual GPT choice
         # Activation checkpointing per block: each keeps only its input and recomputes its
-        # forward in the backward (a card whose memory needs it; hetcomm plan decides).
+        # forward in the backward (a card whose memory needs it; hetcomm plan decides). It
+        # covers the loss too: chunk by chunk of loss_chunk_tokens (None: the chunked_loss
+        # module's rule), never the whole vocabulary-wide logits (the forward returns none).
         self.checkpointing = False
+        self.loss_chunk_tokens = None
         self.apply(self._init)
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
@@ -104,7 +109,10 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None and self.checkpointing and torch.is_grad_enabled():
+            return None, chunked_cross_entropy(x, self.head.weight, targets, reduction, self.loss_chunk_tokens)
+        logits = self.head(x)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
