@@ -10,7 +10,9 @@ independently of hetcomm.plan.full_shard:
   many gradients: 2 x (root + 2 x block) x 2 B;
 - the micro-batch's activations: as the unsharded planner counts them, or checkpointed:
   each block's fp32 input (4 x seq x hidden) and one block's full activations, beside
-  what is kept outside the blocks; 0.5 GiB of CUDA context;
+  what is kept outside the blocks but the vocabulary-wide loss, which checkpointing
+  computes a chunk at a time (hetcomm.train.chunked_loss): one chunk's worth of it per
+  micro-batch; 0.5 GiB of CUDA context;
 - ranges proportional to usable memory less all but the range, adding up to P;
 - offload: 18 B an element in the machine's RAM (master, moments, fp32 gradient and 16-bit
   weight staging); PCIe 4 B down and 2 B up an element at
@@ -29,6 +31,7 @@ from hetcomm.plan.cli import main
 from hetcomm.plan.cluster import parse_cluster
 from hetcomm.plan.hf_config import read_hf_config
 from hetcomm.plan.planner import make_plan, spec_members
+from hetcomm.train.chunked_loss import loss_chunk_tokens
 
 LEGACY = "3x1080ti+1xv100-32gb"
 TURING = "2x2080ti,2xt4"
@@ -61,6 +64,13 @@ def transient_elements(model, seq):
     return root + 2 * block
 
 
+def loss_per_token(model):
+    """The vocabulary-wide bytes a token's loss holds at its peak (16-bit autocast): the
+    fp32 log-softmax and the gradients of it and of the logits, and for Llama the 16-bit
+    logits a caller holds."""
+    return (4 + 8 + (2 if model.kind == "llama" else 0)) * model.vocab_size
+
+
 def per_sample(member, model, seq, checkpointed):
     """Activations per sample, without and with checkpointing (16-bit autocast)."""
     full = model.activation_bytes_per_sample(seq, "fp16")
@@ -68,7 +78,13 @@ def per_sample(member, model, seq, checkpointed):
         return full
     h, layers = model.n_embd, model.n_layer
     block = (model.layer_saved_bytes_per_token("fp16") if model.kind == "llama" else 38 * h) * seq
-    return full - layers * block + layers * 4 * h * seq + block
+    return full - loss_per_token(model) * seq - layers * block + layers * 4 * h * seq + block
+
+
+def activations(member, model, seq, checkpointed, micro_batch):
+    """A micro-batch's: checkpointed, one chunk of the loss besides."""
+    chunk = loss_per_token(model) * loss_chunk_tokens(model.vocab_size) if checkpointed else 0
+    return micro_batch * per_sample(member, model, seq, checkpointed) + chunk
 
 
 def check_full(plan, offload=False):
@@ -87,13 +103,13 @@ def check_full(plan, offload=False):
         assert (card.weights_bytes, card.gradient_bytes) == (2 * r, 4 * r)
         assert card.state_bytes == (0 if offload else 12 * r)
         assert card.transient_bytes == transient
-        activations = card.micro_batch * per_sample(member, model, seq, card.checkpointing)
-        assert card.activation_bytes == pytest.approx(activations)
-        held = CONTEXT + per * r + transient + activations
+        kept = activations(member, model, seq, card.checkpointing, card.micro_batch)
+        assert card.activation_bytes == pytest.approx(kept)
+        held = CONTEXT + per * r + transient + kept
         assert card.held_bytes == pytest.approx(held)
         assert held <= member.cost.memory_bytes
         assert member.cost.memory_use(card.micro_batch) == pytest.approx(held)   # the device table's column
-        frees.append(member.cost.memory_bytes - CONTEXT - transient - activations)
+        frees.append(member.cost.memory_bytes - CONTEXT - transient - kept)
     for card, free in zip(full.cards, frees):
         assert abs(card.elements - parameters * free / sum(frees)) <= len(frees) * ALIGN + 1
     # The step: lock-step compute, the collectives' exposed part, the slowest update.
@@ -146,7 +162,7 @@ def test_gpt2_15b_fully_sharded_on_three_1080ti_and_a_v100(catalog):
     # each 1080 Ti (with --shard its whole weights and gradients leave room for 1): with 4
     # there and 1 on the V100 the cards' rooms still hold 18 B of every element.
     transient = 2 * transient_elements(plan.model, 1024) * 2
-    rooms = [m.cost.memory_bytes - CONTEXT - transient - micro * per_sample(m, plan.model, 1024, checkpointed=True)
+    rooms = [m.cost.memory_bytes - CONTEXT - transient - activations(m, plan.model, 1024, True, micro)
              for m, micro in zip(plan.members, (4, 4, 4, 1))]
     assert min(rooms) > 0 and sum(rooms) >= 18 * P_1_5B
     # The fastest lock-step plan runs them at 1 sample a micro-step without checkpointing
@@ -170,39 +186,40 @@ def test_gpt2_15b_fits_all_four_turing_cards_over_10gbe(catalog):
 
 def test_llama_32_1b_at_2048_on_four_1080ti(catalog):
     # 18 B an element of 1.24G elements (5.2 GiB a card), the root (the 128256 x 2048 tied
-    # embedding) and two blocks gathered, and as many gradients (1.44 GiB), and one
-    # checkpointed sample (3.96 GiB, 3.4 of them the vocabulary-wide loss) do not fit
-    # 9.9 GiB: 4.68 GiB short over the four cards.
+    # embedding) and two blocks gathered, and as many gradients (1.43 GiB): checkpointed,
+    # with the loss a chunk at a time, 4 samples of 2048 tokens fit beside them on each
+    # 1080 Ti. Without checkpointing one sample's loss alone (3.4 GiB) leaves no room.
+    plan = llama_plan(catalog, "4x1080ti", LLAMA_1B, 2048, shard="full")
+    assert len(plan.members) == 4 and not plan.left_out
+    check_full(plan)
+    assert all(card.checkpointing for card in plan.full.cards)
+    assert [card.micro_batch for card in plan.full.cards] == [4] * 4
+    check_auto(plan)
     with pytest.raises(ValueError, match=r"llama-3.2-1b at --seq 2048 does not fit even fully sharded "
                                          r"\(--shard full\): its 1,235,814,400 elements need 18 bytes each .* "
-                                         r"\(4\.68 GiB short\)\. It would fit with --offload optimizer .* or at "
-                                         r"--seq 1024 without offload"):
-        llama_plan(catalog, "4x1080ti", LLAMA_1B, 2048, shard="full")
-    plan = llama_plan(catalog, "4x1080ti", LLAMA_1B, 2048, shard="full", offload="optimizer")
-    assert len(plan.members) == 4
-    check_full(plan, offload=True)
-    # One sample's 7.4 GiB fit beside the context and the units with a tiny range only:
-    # some cards run so, the others checkpoint and own the most.
-    assert 0 < sum(card.checkpointing for card in plan.full.cards) < 4
-    check_auto(plan)
+                                         r"\(18\.47 GiB short\)"):
+        llama_plan(catalog, "4x1080ti", LLAMA_1B, 2048, shard="full", checkpointing="off")
+    offloaded = llama_plan(catalog, "4x1080ti", LLAMA_1B, 2048, shard="full", offload="optimizer")
+    check_full(offloaded, offload=True)
+    check_auto(offloaded)
     check_full(llama_plan(catalog, "4x1080ti", LLAMA_1B, 1024, shard="full"))
 
 
 def test_llama_32_3b_on_four_1080ti_needs_offload(catalog):
-    with pytest.raises(ValueError, match=r"3,212,749,824 elements need 18 bytes each .* 53\.86 GiB, .* It would fit at "
-                                         r"--seq 1024 with --offload optimizer"):
+    with pytest.raises(ValueError, match=r"3,212,749,824 elements need 18 bytes each .* 53\.86 GiB, .* It would fit "
+                                         r"with --offload optimizer"):
         llama_plan(catalog, "4x1080ti", LLAMA_3B, 2048, shard="full")
-    with pytest.raises(ValueError, match=r"need 6 bytes each of weights and fp32 gradient accumulator, 17\.95 GiB"):
-        llama_plan(catalog, "4x1080ti", LLAMA_3B, 2048, shard="full", offload="optimizer")
     with pytest.raises(ValueError, match="does not fit even fully sharded"):
         llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full")
-    plan = llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full", offload="optimizer")
+    plan = llama_plan(catalog, "4x1080ti", LLAMA_3B, 2048, shard="full", offload="optimizer")
+    assert len(plan.members) == 4 and not plan.left_out
     check_full(plan, offload=True)
+    assert all(card.checkpointing for card in plan.full.cards)
     # 18 B an element of 3.21G elements on one machine: 53.9 GiB of its 64.
     assert plan.full.host[0].used_bytes == 18 * 3_212_749_824
     with pytest.raises(ValueError, match=r"--offload optimizer: machine 0's 4 cards keep 53\.9 GiB .* more than its "
                                          r"32 GiB \(--host-memory\)"):
-        llama_plan(catalog, "4x1080ti", LLAMA_3B, 512, shard="full", offload="optimizer", host_memory=32)
+        llama_plan(catalog, "4x1080ti", LLAMA_3B, 2048, shard="full", offload="optimizer", host_memory=32)
 
 
 def test_checkpointing_auto_is_on_only_where_a_card_needs_it(catalog):

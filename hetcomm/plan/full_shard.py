@@ -21,12 +21,16 @@ Memory, per card (rank), on the device; w the weights' itemsize (2 for 16-bit we
   keeps only its input, the fp32 residual stream (seq x hidden x 4 bytes a sample, in
   every precision: autocast leaves the residual adds in fp32), and the backward holds one
   block's full activations besides (its recompute), beside what is kept outside the
-  blocks (the head's input, the log-softmax and, at the peak, the loss's gradients);
+  blocks (the head's input, the log-softmax and, at the peak, the loss's gradients). For
+  the models hetcomm train builds (GPT, Llama) checkpointing covers the loss too
+  (hetcomm.train.chunked_loss): nothing vocabulary-wide is kept per sample, and the
+  backward holds one chunk's (loss_chunk_tokens of the vocabulary) logits, log-softmax
+  and gradients, once per micro-batch; a BERT model's loss stays whole;
 - the CUDA context (0.5 GiB, hetcomm.plan.cost.CONTEXT_BYTES).
 
-Checkpointing costs one more forward of the blocks: 1/3 of their forward+backward time
-(the blocks' share of the FLOPs of the sample's per-sample time), and their forward's
-kernel launches again. `--checkpointing on`/`off` force it on every card; `auto` (the
+Checkpointing costs one more forward of the blocks (and of a chunked loss's head): 1/3 of
+their forward+backward time (their share of the FLOPs of the sample's per-sample time),
+and the blocks' forward's kernel launches again. `--checkpointing on`/`off` force it on every card; `auto` (the
 default) turns it on for a card whose samples (as the balancer's solver splits the global
 batch by speed) do not fit one micro-batch without it, or for one that cannot hold one
 sample without it, and leaves it off elsewhere; the solver then splits again under the
@@ -87,6 +91,7 @@ from hetcomm.plan.cost import (CONTEXT_BYTES, KERNELS_PER_LAYER, SECONDS_PER_KER
 from hetcomm.plan.model_shape import BERT_POSITIONS, BERT_TOKEN_TYPES
 from hetcomm.plan.shard import DTYPES, MIN_RANGE, weight_dtype
 from hetcomm.shard.layout import host_bytes_per_element as runtime_host_bytes
+from hetcomm.train.chunked_loss import loss_chunk_tokens
 
 GIB = 2**30
 ALIGN = 16                     # range boundaries, as hetcomm.shard.layout's
@@ -163,18 +168,44 @@ def block_activation_bytes(model, seq: int, kept: str, attention: str, gelu: str
             - model.activation_bytes_per_sample(seq, kept, attention, gelu)) / model.n_layer
 
 
+def chunks_loss(model) -> bool:
+    """Whether checkpointing computes the model's loss chunk by chunk: hetcomm train's
+    models (GPT, Llama) do; a BERT model is the user's own."""
+    return model.kind in ("gpt", "llama")
+
+
+def loss_bytes_per_token(model, seq: int, kept: str, attention: str, gelu: str) -> float:
+    """The vocabulary-wide part of a token's activations at the peak: the log-softmax, the
+    loss's gradients and what else the model counts per vocabulary entry."""
+    twice = replace(model, vocab_size=2 * model.vocab_size)
+    return (twice.activation_bytes_per_sample(seq, kept, attention, gelu)
+            - model.activation_bytes_per_sample(seq, kept, attention, gelu)) / seq
+
+
+def loss_chunk_bytes(model, seq: int, kept: str, attention: str, gelu: str) -> float:
+    """What a chunked loss holds at its peak, once per micro-batch (0: a whole loss)."""
+    if not chunks_loss(model):
+        return 0.0
+    return loss_bytes_per_token(model, seq, kept, attention, gelu) * loss_chunk_tokens(model.vocab_size)
+
+
 def checkpointed_activation_bytes(model, seq: int, kept: str, attention: str, gelu: str) -> float:
     """Per sample with every block checkpointed: each block's fp32 input, one block's
-    full activations (the recompute in the backward) and what is kept outside the blocks."""
+    full activations (the recompute in the backward) and what is kept outside the blocks
+    (without the vocabulary-wide loss where it is chunked: loss_chunk_bytes)."""
     full = model.activation_bytes_per_sample(seq, kept, attention, gelu)
     block = block_activation_bytes(model, seq, kept, attention, gelu)
-    return full - model.n_layer * block + model.n_layer * RESIDUAL_BYTES * seq * model.n_embd + block
+    loss = loss_bytes_per_token(model, seq, kept, attention, gelu) * seq if chunks_loss(model) else 0.0
+    return full - loss - model.n_layer * block + model.n_layer * RESIDUAL_BYTES * seq * model.n_embd + block
 
 
-def block_flops_share(model, seq: int) -> float:
-    """The blocks' share of a sample's FLOPs (what a recompute repeats a third of)."""
+def recomputed_flops_share(model, seq: int) -> float:
+    """The share of a sample's FLOPs a recompute repeats a third of: the blocks', and the
+    head's where the loss is chunked."""
     twice = replace(model, n_layer=2 * model.n_layer)
-    return (twice.flops_per_sample(seq) - model.flops_per_sample(seq)) / model.flops_per_sample(seq)
+    blocks = twice.flops_per_sample(seq) - model.flops_per_sample(seq)
+    head = 6 * model.vocab_size * model.n_embd * seq if chunks_loss(model) else 0
+    return (blocks + head) / model.flops_per_sample(seq)
 
 
 @dataclass(frozen=True)
@@ -301,6 +332,10 @@ class _Card:
     base: float          # usable less context and transient
     off: float           # activations per sample without checkpointing
     on: float            # with
+    chunk: float         # with, once per micro-batch: a chunked loss's peak
+
+    def activations(self, checkpointing: bool, micro_batch: int) -> float:
+        return self.on * micro_batch + self.chunk if checkpointing else self.off * micro_batch
 
 
 class FullShardDoesNotFit(ValueError):
@@ -328,11 +363,13 @@ def full_room(members, model, seq: int, checkpointing: str, offload: bool):
         for m in candidates:
             kept = STORAGE[m.cost.precision]
             on = checkpointed_activation_bytes(model, seq, kept, m.cost.attention, m.cost.gelu)
-            cards[id(m)] = _Card(m, m.cost.memory_bytes - CONTEXT_BYTES - transient, m.cost.activation_bytes, on)
+            chunk = loss_chunk_bytes(model, seq, kept, m.cost.attention, m.cost.gelu)
+            cards[id(m)] = _Card(m, m.cost.memory_bytes - CONTEXT_BYTES - transient, m.cost.activation_bytes, on,
+                                 chunk)
         least = per * min(MIN_RANGE, parameters)
 
         def smallest(card):
-            return card.off if checkpointing == "off" else min(card.on, card.off)
+            return card.off if checkpointing == "off" else min(card.activations(True, 1), card.off)
 
         fits = [m for m in candidates if cards[id(m)].base - smallest(cards[id(m)]) >= least]
         if not fits or len(fits) == len(candidates) or weight_dtype(fits) == weights:
@@ -377,15 +414,16 @@ def full_caps(figures, rooms, parameters: int, per: int):
     for card, room in zip(figures, rooms):
         keep = max(per * min(MIN_RANGE, parameters), share * room)
         space = card.base - keep
-        caps.append((max(0, math.floor(space / card.off)), max(0, math.floor(space / card.on))))
+        caps.append((max(0, math.floor(space / card.off)), max(0, math.floor((space - card.chunk) / card.on))))
     return caps
 
 
 def checkpointed_member(member, model, seq: int, on: float):
-    """The member's cost with every block checkpointed: a third more of the blocks' work
-    per sample, their forward's launches again, the checkpointed activations."""
+    """The member's cost with every block checkpointed: a third more of the blocks' (and
+    a chunked loss's head's) work per sample, the blocks' forward's launches again, the
+    checkpointed activations."""
     cost = member.cost
-    extra = RECOMPUTE_SHARE * block_flops_share(model, seq)
+    extra = RECOMPUTE_SHARE * recomputed_flops_share(model, seq)
     return replace(member, cost=replace(cost, per_sample=cost.per_sample * (1 + extra),
                                         fixed=cost.fixed + RECOMPUTE_SHARE * KERNELS_PER_LAYER * model.n_layer
                                         * SECONDS_PER_KERNEL, activation_bytes=on))

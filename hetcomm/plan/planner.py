@@ -366,7 +366,7 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
     planned = [max(micro) for micro in split.micro_batches]
 
     def frees_of(chosen_):
-        return [card.base - (card.on if on else card.off) * micro for card, on, micro in zip(figures, chosen_, planned)]
+        return [card.base - card.activations(on, micro) for card, on, micro in zip(figures, chosen_, planned)]
 
     if checkpointing == "auto":
         # Off again wherever the planned micro-batch fits without it, the ranges still
@@ -400,7 +400,7 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
                                  f"and gradient staging in pinned host memory ({host_bytes_per_element(weights)} B "
                                  f"an element of their ranges), more than its {limit / GIB:g} GiB (--host-memory)")
     cards, final = [], []
-    for m, card, on, micro, free, size in zip(training, figures, chosen, planned, frees, sizes):
+    for m, figure, on, micro, free, size in zip(training, figures, chosen, planned, frees, sizes):
         if offload:
             pcie = size * (4 + w) / (pcie_gbs(m.device) * 1e9)
             update = pcie + host_seconds[m.node]
@@ -411,11 +411,12 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
         state = 0 if offload else size * (per - w - 4)
         held = transient_elements(units, model.n_layer) * w
         full = FullCard(micro, on, size, size * w, size * 4, state, held, held,
-                        CONTEXT_BYTES, m.cost.activation_bytes * micro, m.cost.activation_bytes, m.cost.memory_bytes,
+                        CONTEXT_BYTES, figure.activations(on, micro), m.cost.activation_bytes, m.cost.memory_bytes,
                         free, size * host_bytes_per_element(weights) if offload else 0, pcie, update)
         cards.append(full)
+        # The chunked loss's peak is per micro-batch: with the state, not with the samples.
         final.append(replace(m, cost=replace(m.cost, cap=micro, update_seconds=update,
-                                             state_bytes=full.held_bytes - full.activation_bytes)))
+                                             state_bytes=full.held_bytes - m.cost.activation_bytes * micro)))
     collectives, exposed_s = exposed(compute, rounds)
     update_s = max(card.update_seconds for card in cards)
     slowest = max(range(ranks), key=lambda rank: cards[rank].update_seconds)

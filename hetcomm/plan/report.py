@@ -4,12 +4,13 @@ from itertools import groupby
 
 from hetcomm.plan.calibrate import RunProfile
 from hetcomm.plan.cost import BANDWIDTH_EFFICIENCY
-from hetcomm.plan.full_shard import (HOST_BANDWIDTH_GBS, HOST_UPDATE_BYTES, RECOMPUTE_SHARE,
+from hetcomm.plan.full_shard import (HOST_BANDWIDTH_GBS, HOST_UPDATE_BYTES, RECOMPUTE_SHARE, chunks_loss,
                                      device_update_bytes_per_element, host_bytes_per_element, pcie_gbs)
 from hetcomm.plan.model_shape import BERT_POSITIONS
 from hetcomm.plan.planner import Member, Plan
 from hetcomm.plan.shard import UPDATE_BYTES_PER_ELEMENT
 from hetcomm.plan.simulate import Simulation
+from hetcomm.train.chunked_loss import loss_chunk_tokens
 
 GIB = 2**30
 
@@ -239,8 +240,10 @@ def _full_lines(plan: Plan) -> list[str]:
                      f"{card.transient_bytes / GIB:>6.2f} {card.context_bytes / GIB:>4.1f} "
                      f"{card.activation_bytes / GIB:>6.2f} {held:>12} {card.elements / full.elements:>6.1%}")
     if any(card.checkpointing for card in full.cards):
+        chunks = (f" and the loss is computed {loss_chunk_tokens(plan.model.vocab_size):,} tokens at a time"
+                  if chunks_loss(plan.model) else "")
         lines.append(f"  checkpointing ({full.checkpointing}): each block keeps its fp32 input and recomputes its "
-                     f"forward in the backward (+{RECOMPUTE_SHARE:.2f} of the blocks' time);"
+                     f"forward in the backward (+{RECOMPUTE_SHARE:.2f} of the blocks' time){chunks};"
                      + (" on where the card's samples do not fit one micro-batch without it"
                         if full.checkpointing == "auto" else ""))
     lines.append("")
