@@ -84,6 +84,33 @@ def test_a_fully_sharded_run_resumes_bit_for_bit_and_on_fewer_ranks(tmp_path):
         assert outcome.get("type") == "CheckpointError", outcome
 
 
+def model_state_unit_by_unit(rank, world, config):
+    trainer = Trainer(config, rank, world, torch.device("cpu"))
+    trainer.run()
+    sharded = trainer.loop.sharded_weights
+    sharded.peak_gathered = 0
+    state = trainer._model_state()
+    peak = sharded.peak_gathered
+    with sharded.gathered():
+        expected = {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
+    return state, expected, peak, max(u.nbytes for u in sharded.units), sharded.units[0].nbytes + \
+        sharded.largest_units(1)
+
+
+def test_a_checkpoint_reads_the_model_out_one_unit_at_a_time(tmp_path):
+    """The checkpoint's model entry is the whole model on rank 0 (none elsewhere), read
+    out holding at most one layer unit at a time: a model no card holds whole saves."""
+    config = full_config(tmp_path, world=2, n_layer=3, steps=2, split="6,10", out=str(tmp_path / "f"))
+    ranks = values(run_ranks(2, model_state_unit_by_unit, config, tmp_path=tmp_path))
+    state, expected, peak, largest, root_and_block = ranks[0]
+    assert list(state) == list(expected)
+    assert all(torch.equal(state[name], expected[name]) and state[name].device.type == "cpu" for name in state)
+    assert state["wte.weight"] is state["head.weight"]   # tied: one tensor, saved once
+    for _, _, peak, largest, root_and_block in ranks:
+        assert peak == largest < root_and_block
+    assert ranks[1][0] is None
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"shard": "half"}, r"--shard 'half': expected one of state, full"),
     ({"device": "cuda", "memory_caps": None}, r"--shard full on GPUs needs --state-memory and --memory-caps"),

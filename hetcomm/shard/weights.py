@@ -148,6 +148,20 @@ class ShardedWeights:
             for unit in self.units:
                 self._free(unit)
 
+    def unit_by_unit(self):
+        """Each unit gathered in turn, its trained parameters yielded while it is (every
+        rank must go through all of it: each gather is a collective). At most one unit is
+        held beyond what is gathered already, so that a model no card holds whole can
+        still be read out, by a checkpoint for instance."""
+        for unit in self.units:
+            held = unit.gathered
+            self._gather(unit, now=True)
+            try:
+                yield unit.members
+            finally:
+                if not held:
+                    self._free(unit)
+
     # --- gathering --------------------------------------------------------------------
 
     def _gather(self, unit: _Unit, now: bool) -> None:

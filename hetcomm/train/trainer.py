@@ -279,15 +279,30 @@ class Trainer:
     def memory_held_by_training(self) -> int:
         return self.loop.memory_held_by_training()
 
-    def _model_state(self) -> dict:
+    def _model_state(self) -> dict | None:
         """The model's state dict with the fp32 masters' values where there are masters
         (a checkpoint holds the weights at full precision). Fully sharded, every rank
-        gathers the whole model for it (a collective): rank 0 keeps a host copy."""
+        gathers the model a layer unit at a time for it (collectives; a card holds one
+        unit more than in training, never the whole model): rank 0 keeps a host copy,
+        the others None."""
         sharded = self.loop.sharded_weights
-        if sharded is not None:
-            with sharded.gathered():
-                return {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
         state = self.model.state_dict(keep_vars=True)
+        if sharded is not None:
+            names = {}
+            for name, t in state.items():
+                names.setdefault(id(t), []).append(name)
+            copies = {}
+            for members in sharded.unit_by_unit():
+                if self.rank == 0:
+                    for p in members:
+                        copy = p.detach().to("cpu", copy=True)
+                        copies.update((name, copy) for name in names.pop(id(p)))
+            if self.rank != 0:
+                return None
+            # Buffers, and any tensor outside the units, are whole on every rank.
+            copies.update((name, state[name].detach().to("cpu", copy=True)) for left in names.values()
+                          for name in left)
+            return {name: copies[name] for name in state}
         by_param = {id(p): m for p, m in zip(self.model.parameters(), self.masters or [])}
         return {name: by_param.get(id(t), t).detach() for name, t in state.items()}
 
