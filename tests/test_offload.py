@@ -36,21 +36,27 @@ def groups(model):
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02}]
 
 
-def steps_of(rank, world, dtype, weights, offload, steps=4):
+def steps_of(rank, world, dtype, weights, offload, steps=4, overlap=None):
     model = TinyBlocks().to(dtype)
     loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
                         split=[1, 3, 5, 7], shard=Shard(ranges=RANGES, weights=weights,
                                                         offload="optimizer" if offload else None))
-    optimizer = ShardedAdamW(groups(model), loop.reducer, lr=0.05, betas=(0.9, 0.95), offload=offload)
-    losses_seen = []
+    optimizer = ShardedAdamW(groups(model), loop.reducer, lr=0.05, betas=(0.9, 0.95), offload=offload,
+                             overlap=overlap)
+    losses_seen, unmoved = [], []
     for step in loop.steps(steps):
         for batch in step:
             loss, count = masked_loss(model, batch)
             step.backward(loss, count=count)
         result = step.reduce()
+        before = None if loop.sharded_weights is None else loop.sharded_weights.local.clone()
         optimizer.step(grad_scale=result.clip_coefficient(1.0))
+        if before is not None:   # the range's weights right after step(): deferred, they have not moved
+            unmoved.append(torch.equal(before, loop.sharded_weights.local))
         if step.number == SKIPPED_AT:
             optimizer.step(grad_scale=result.clip_coefficient(1.0), found_inf=torch.ones(1))
+        for group in optimizer.param_groups:   # a schedule: the step's own rates must stay the step's
+            group["lr"] *= 0.7
         losses_seen.append(result.loss)
     if loop.sharded_weights is not None:
         with loop.sharded_weights.gathered():
@@ -61,7 +67,24 @@ def steps_of(rank, world, dtype, weights, offload, steps=4):
     devices = {name: t.device.type for name, t in optimizer.shard_state().items()}
     return {"losses": losses_seen, "weights": weights_now, "state": state, "range": optimizer.range,
             "state_bytes": optimizer.state_bytes(), "host_bytes": optimizer.host_bytes(), "devices": devices,
-            "steps": [c.item() for c in optimizer.steps], "held": loop.memory_held_by_training()}
+            "steps": [c.item() for c in optimizer.steps], "held": loop.memory_held_by_training(),
+            "unmoved": unmoved}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_update_deferred_to_each_unit_s_gather_is_the_step_at_once_bit_for_bit(tmp_path, dtype):
+    """overlap=True: step() leaves the range's weights as they were; each unit's part is
+    stepped and copied up at its next gather, with the rates of its step (the schedule
+    moves them in between), and the run is the one that steps at once, bit for bit."""
+    at_once = values(run_ranks(4, steps_of, dtype, True, True, 4, False, tmp_path=tmp_path / "at-once"))
+    deferred = values(run_ranks(4, steps_of, dtype, True, True, 4, True, tmp_path=tmp_path / "deferred"))
+    for rank, (a, b) in enumerate(zip(at_once, deferred)):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"])), rank
+        for name in a["state"]:
+            assert torch.equal(a["state"][name], b["state"][name]), (rank, name)
+        assert not any(a["unmoved"]) and all(b["unmoved"])
+        assert a["steps"] == b["steps"] == [4.0, 4.0]
 
 
 @pytest.mark.parametrize("weights", [True, False], ids=["full", "state"])
@@ -131,11 +154,29 @@ def test_the_loop_sizes_offloaded_ranges_by_device_or_host_memory(tmp_path):
     assert sum(sizes) == ELEMENTS and near_share(sizes[0], 200)
 
 
-def test_bad_offload_settings_are_refused_by_name():
+def refused_overlaps(rank, world):
+    found = []
+    for weights, offload, overlap in ((False, True, True), (True, False, True), (True, True, "yes")):
+        model = TinyBlocks()
+        loop = BalancedLoop(model, MaskedTokens(), global_batch=GLOBAL_BATCH, seed=SEED, wire_dtype=torch.float32,
+                            split=[GLOBAL_BATCH], shard=Shard(ranges=[ELEMENTS], weights=weights,
+                                                              offload="optimizer" if offload else None))
+        try:
+            ShardedAdamW(model.parameters(), loop.reducer, offload=offload, overlap=overlap)
+        except ValueError as error:
+            found.append(str(error))
+    return found
+
+
+def test_bad_offload_settings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"Shard: offload = 'weights': expected None or 'optimizer'"):
         Shard(offload="weights")
     with pytest.raises(ValueError, match=r"ShardedAdamW: offload = 'yes': expected True"):
         ShardedAdamW(TinyBlocks().parameters(), None, offload="yes")
+    needs = "ShardedAdamW: overlap=True defers each layer unit's update to its next gather: it needs offload=True " \
+            "and fully sharded weights"
+    assert [message[:len(needs)] for message in values(run_ranks(1, refused_overlaps, tmp_path=tmp_path))[0]] == [
+        needs, needs, "ShardedAdamW: overlap = 'yes': expected True, False or None"]
 
 
 # --- hetcomm train --offload optimizer ------------------------------------------------

@@ -50,11 +50,21 @@ class ShardedAdamW(torch.optim.Optimizer):
     adamw_ op, its CPU kernel: on CPU ranks bit for bit the step without offload. The
     copy down is waited for; the copy up is not (on a GPU it is ordered before the
     next gather by the stream). On CPU ranks the host is the device, and the copies
-    are made all the same."""
+    are made all the same.
+
+    overlap: offloaded with fully sharded weights, step() only copies the gradient
+    down; each layer unit's part of the range is stepped and copied up just before
+    the unit's next gather (ShardedWeights.before_gather), so that the host's update of
+    the later units runs while the device computes the forward of the earlier ones. The
+    same adamw_ on the same elements: bit for bit the step done at once. Anything that
+    reads the state or the weights outside a gather (shard_state, the next step) first
+    finishes what is left (flush()). None (the default): on where it can help, with the
+    weights on a GPU; on CPU ranks the forward and the update share the host."""
 
     def __init__(self, params: Iterable, reducer: ShardedReducer, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 initial_masters: Sequence[Tensor] | None = None, offload: bool = False):
+                 initial_masters: Sequence[Tensor] | None = None, offload: bool = False,
+                 overlap: bool | None = None):
         _check_hyper(lr, betas, eps, weight_decay)
         if not isinstance(offload, bool):
             raise ValueError(f"ShardedAdamW: offload = {offload!r}: expected True (the state in host memory) or "
@@ -62,6 +72,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not isinstance(reducer, ShardedReducer):
             raise TypeError(f"ShardedAdamW: reducer must be a hetcomm.shard.ShardedReducer (BalancedLoop(..., "
                             f"shard=...).reducer); got {type(reducer).__name__}")
+        if overlap not in (None, True, False):
+            raise ValueError(f"ShardedAdamW: overlap = {overlap!r}: expected True, False or None")
+        if overlap and (not offload or reducer.flat.sharded is None):
+            raise ValueError("ShardedAdamW: overlap=True defers each layer unit's update to its next gather: it needs "
+                             "offload=True and fully sharded weights (Shard(weights=True, offload=\"optimizer\"))")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.reducer = reducer
         flat = reducer.flat
@@ -109,6 +124,26 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._gather_order = sorted(reducer.buckets, key=lambda b: b.start)   # the forward's order
         # Per group, the views adamw_ takes, made once: the step is one call per group.
         self._views = [self._views_of(group_pieces, wires) for group_pieces in pieces]
+        self._by_unit = self._overlapped_views(overlap, pieces, wires)
+        self._pending: dict[int, list[tuple]] = {}   # unit index -> each group's hyperparameters of the step
+        self._pending_scalars: tuple[Tensor, Tensor] | None = None
+
+    def _overlapped_views(self, overlap, pieces, wires) -> dict[int, list[dict]] | None:
+        """With overlap, per layer unit that this rank owns a part of, each group's views
+        of that part (the pieces are cut at the parameters' ends, hence at the units')."""
+        sharded = self.flat.sharded
+        if overlap is None:
+            overlap = self.offload and sharded is not None and self.flat.device.type == "cuda"
+        if not overlap:
+            return None
+        by_unit: dict[int, list[list[tuple[int, int]]]] = {}
+        for g, group_pieces in enumerate(pieces):
+            for a, b in group_pieces:
+                unit = next(u for u in sharded.units if u.start <= a and b <= u.stop)
+                by_unit.setdefault(unit.index, [[] for _ in pieces])[g].append((a, b))
+        sharded.before_gather = self._before_gather
+        return {index: [self._views_of(group_pieces, wires) for group_pieces in groups]
+                for index, groups in by_unit.items()}
 
     def _start_masters_from(self, initial: Sequence[Tensor]) -> None:
         if self.masters is None:
@@ -179,21 +214,58 @@ class ShardedAdamW(torch.optim.Optimizer):
         scale = self.reducer.reduced_scale() * grad_scale.to(device=device, dtype=torch.float32).reshape(1)
         skip = torch.zeros(1, device=device) if found_inf is None else found_inf.to(device).reshape(1)
         if self.offload:
+            self.flush()   # the last step's units no gather has asked for: before their staging is reused
             scale, skip = self._copy_down(scale, skip)
         moved = 1.0 - (skip != 0).float()
+        deferred = self._by_unit is not None and not skip.item()   # offloaded: a host tensor
         for group, views, count in zip(self.param_groups, self._views, self.steps):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             count.add_(moved)
-            if not views["grads"]:
+            if deferred or not views["grads"]:
                 continue
             beta1, beta2 = group["betas"]
             ops.adamw_(views["grads"], views["params"], views["exp_avgs"], views["exp_avg_sqs"], views["copies"],
                        grad_scale=scale, found_inf=skip, step=count, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"])
-        if self.offload and not skip.item():   # a host tensor: no wait on the device
+        if deferred:
+            # The hyperparameters as they are now: a scheduler may change them before the gathers.
+            hyper = [(group["lr"], *group["betas"], group["eps"], group["weight_decay"]) for group in self.param_groups]
+            self._pending = {index: hyper for index in self._by_unit}
+            self._pending_scalars = (scale, skip)
+        elif self.offload and not skip.item():   # a host tensor: no wait on the device
             self._copy_up()
         self.all_gather()
         return loss
+
+    def _before_gather(self, unit) -> None:
+        """ShardedWeights' call before it gathers `unit`: its deferred update, if any."""
+        hyper = self._pending.pop(unit.index, None)
+        if hyper is not None:
+            self._step_unit(unit.index, hyper)
+
+    def flush(self) -> None:
+        """Every deferred unit's update, now (overlap)."""
+        while self._pending:
+            index = min(self._pending)
+            self._step_unit(index, self._pending.pop(index))
+
+    def _step_unit(self, index: int, hyper: list[tuple]) -> None:
+        """One unit's part of the range: stepped on the host, its new weights copied up."""
+        scale, skip = self._pending_scalars
+        low, high = self.range
+        sharded = self.flat.sharded
+        unit = sharded.units[index]
+        for views, count, (lr, beta1, beta2, eps, weight_decay) in zip(self._by_unit[index], self.steps, hyper):
+            if views["grads"]:
+                ops.adamw_(views["grads"], views["params"], views["exp_avgs"], views["exp_avg_sqs"], views["copies"],
+                           grad_scale=scale, found_inf=skip, step=count, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay)
+        a, b = max(low, unit.start), min(high, unit.stop)
+        source = self._weights_up if self._weights_up is not None else self._host_params
+        self.flat.weights_of(a, b).copy_(source[a - low:b - low], non_blocking=True)
+        if self.flat.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.flat.device))
 
     def _copy_down(self, scale: Tensor, skip: Tensor) -> tuple[Tensor, Tensor]:
         """The reduced gradient range into the host's fp32 staging, and the step's scale
@@ -258,6 +330,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """This rank's range of the state, by name (hetcomm.shard.checkpoint saves it):
         with fully sharded fp32 weights, which are their own masters, the weights too
         (no other rank holds them)."""
+        self.flush()
         state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.masters is not None:
             state["master"] = self.masters

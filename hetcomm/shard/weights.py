@@ -104,6 +104,10 @@ class ShardedWeights:
         # Called with each unit once its gradients of a backward are in (every unit once a
         # backward, in the same order on every rank): hetcomm.shard.streamed sends them.
         self.on_gradients = None
+        # Called with each unit before a gather of it fills its buffer: an optimizer that
+        # defers each unit's update to then (ShardedAdamW's overlap) writes this rank's
+        # part of the unit's weights there.
+        self.before_gather = None
         self._in_backward = False
         self._handles = []
         for unit, params in zip(self.units, plan.params):
@@ -166,6 +170,12 @@ class ShardedWeights:
 
     def _gather(self, unit: _Unit, now: bool) -> None:
         if not unit.gathered:
+            if self.before_gather is not None:
+                # This rank's own work, the same whatever its samples: timed with the
+                # waits, out of the compute the balancer splits by.
+                start = time.perf_counter()
+                self.before_gather(unit)
+                self.waited += time.perf_counter() - start
             unit.buffer.untyped_storage().resize_(unit.nbytes)
             data = unit.buffer.data   # its own version counter: the saved views see no in-place change
             for owner in range(self.layout.world):
