@@ -51,9 +51,9 @@ def llama_plan(catalog, cluster, config, seq, global_batch=64, **kwargs):
                      between_nodes=catalog.link("10gbe"), **kwargs)
 
 
-def transient_elements(model, seq):
+def root_and_block(model, seq):
     """The root (everything outside the blocks: embeddings, an untied head, the final
-    norm), held throughout, and two blocks."""
+    norm), held throughout, and one block."""
     h = model.n_embd
     if model.kind == "llama":
         block = (h * model.q_width + 2 * h * model.kv_width + model.q_width * h + 3 * h * model.intermediate + 2 * h)
@@ -61,6 +61,12 @@ def transient_elements(model, seq):
     else:
         block = 12 * h * h + 13 * h
         root = model.vocab_size * h + seq * h + 2 * h
+    return root, block
+
+
+def transient_elements(model, seq):
+    """The root and two blocks."""
+    root, block = root_and_block(model, seq)
     return root + 2 * block
 
 
@@ -129,10 +135,18 @@ def check_full(plan, offload=False):
         host = {}
         for member, card in zip(plan.members, full.cards):
             host[member.node] = host.get(member.node, 0) + card.elements
+        # The copy down waited for; the host's update and the copy up by unit, each at the
+        # unit's next gather: the root's share first, the rest within one micro-step's
+        # forward (a third of its compute) or beyond it.
+        forward = compute / full.micro_steps / 3
+        root = root_and_block(model, seq)[0] / parameters
         for member, card in zip(plan.members, full.cards):
-            pcie = card.elements * (4 + 2) / (12e9 if member.device.architecture == "Pascal" else 24e9)
-            assert card.pcie_seconds == pytest.approx(pcie)
-            assert card.update_seconds == pytest.approx(pcie + host[member.node] * 28 / 20e9)
+            link = 12e9 if member.device.architecture == "Pascal" else 24e9
+            down, up = card.elements * 4 / link, card.elements * 2 / link
+            assert card.pcie_seconds == pytest.approx(down + up)
+            later = host[member.node] * 28 / 20e9 + up
+            assert card.host_seconds == pytest.approx(host[member.node] * 28 / 20e9)
+            assert card.update_seconds == pytest.approx(down + root * later + max(0, (1 - root) * later - forward))
             assert card.host_bytes == 18 * card.elements
         assert [h.used_bytes for h in full.host] == [18 * host[node] for node in sorted(host)]
     else:

@@ -59,8 +59,12 @@ the machine's ranges at the host's memory bandwidth (28 bytes an element at
 HOST_BANDWIDTH_GBS). The PCIe figures are per-generation defaults, by the card's
 architecture (PCIE_GBS): gen3 x16 about 12 GB/s effective for Pascal, Volta and Turing;
 gen4 x16 about 24 GB/s for Ampere and Ada (the L4); gen5 about 48 GB/s for Hopper; each
-card on its own x16 link. Not overlapped: the step pays the copies and the CPU update of
-the slowest card's machine one after the other.
+card on its own x16 link. The copy down is waited for; the host's update and the copy up
+overlap the next forward (ShardedAdamW's overlap on GPUs: each layer unit's part is
+stepped and copied up just before the unit's next gather): the step waits for the first
+unit's share of them (the root: the embeddings) and for what the rest exceeds one
+micro-step's forward (a third of its compute) by, on the slowest card's machine
+(offload_update_seconds).
 
 A step: every micro-step gathers each unit's weights twice (forward, and again for the
 backward) and reduce-scatters its gradients onto the owners (into their fp32
@@ -123,6 +127,14 @@ def host_bytes_per_element(weights: str) -> int:
 def device_update_bytes_per_element(weights: str) -> int:
     """The fused AdamW over a range with an fp32 gradient accumulator."""
     return 4 + 8 + 16 if weights == "fp32" else 4 + 24 + 2
+
+
+def offload_update_seconds(down: float, up: float, host: float, first_share: float, forward: float) -> float:
+    """What an offloaded update adds to the step: the copy down, then the first unit's
+    share of the host's update and of the copy up, then what the rest of them leaves
+    over once the forward they overlap (`forward` seconds) is done."""
+    later = host + up
+    return down + first_share * later + max(0.0, (1 - first_share) * later - forward)
 
 
 def pcie_gbs(device: Device | None) -> float:
@@ -227,7 +239,9 @@ class FullCard:
     free_bytes: float             # usable less context, transient and activations: what its range is sized by
     host_bytes: int               # offloaded state and gradient staging, in its machine's RAM
     pcie_seconds: float           # offload: gradient range down, weights up
-    update_seconds: float         # its range's update: on the device, or PCIe + its machine's CPU update
+    update_seconds: float         # what its range's update adds to the step: on the device, or offloaded
+    #                               (offload_update_seconds)
+    host_seconds: float = 0.0     # offload: its machine's CPU update, hidden or not
 
     @property
     def persistent_bytes(self) -> int:

@@ -24,7 +24,8 @@ from hetcomm.plan.cost import (BANDWIDTH_EFFICIENCY, CONTEXT_BYTES, AllReduceCos
 from hetcomm.plan.full_shard import (CHECKPOINTING, HOST_BANDWIDTH_GBS, HOST_MEMORY_GIB, HOST_UPDATE_BYTES, OFFLOADS,
                                      FullCard, FullShardDoesNotFit, FullShardPlan, HostMemory, _collective,
                                      checkpointed_member, device_update_bytes_per_element, full_caps, full_ranges,
-                                     full_room, host_bytes_per_element, lock_step_compute, micro_steps, pcie_gbs,
+                                     full_room, host_bytes_per_element, lock_step_compute, micro_steps,
+                                     offload_update_seconds, pcie_gbs,
                                      transient_elements,
                                      persistent_bytes_per_element)
 from hetcomm.plan.model_shape import ModelShape
@@ -400,10 +401,15 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
                                  f"and gradient staging in pinned host memory ({host_bytes_per_element(weights)} B "
                                  f"an element of their ranges), more than its {limit / GIB:g} GiB (--host-memory)")
     cards, final = [], []
+    forward = compute / rounds / 3   # one micro-step's forward, which an offloaded update overlaps
+    # The root (all but the blocks; layer_units puts the final norm with the last block) is
+    # gathered first, so its part of an offloaded update comes first.
+    root_share = 1 - model.n_layer * min(units[1:1 + model.n_layer]) / parameters
     for m, figure, on, micro, free, size in zip(training, figures, chosen, planned, frees, sizes):
         if offload:
-            pcie = size * (4 + w) / (pcie_gbs(m.device) * 1e9)
-            update = pcie + host_seconds[m.node]
+            down, up = (size * item / (pcie_gbs(m.device) * 1e9) for item in (4, w))
+            pcie = down + up
+            update = offload_update_seconds(down, up, host_seconds[m.node], root_share, forward)
         else:
             pcie = 0.0
             update = size * device_update_bytes_per_element(weights) / (m.device.bandwidth_gbs * 1e9
@@ -412,7 +418,8 @@ def _full_plan(members: Sequence[Member], model: ModelShape, seq: int, global_ba
         held = transient_elements(units, model.n_layer) * w
         full = FullCard(micro, on, size, size * w, size * 4, state, held, held,
                         CONTEXT_BYTES, figure.activations(on, micro), m.cost.activation_bytes, m.cost.memory_bytes,
-                        free, size * host_bytes_per_element(weights) if offload else 0, pcie, update)
+                        free, size * host_bytes_per_element(weights) if offload else 0, pcie, update,
+                        host_seconds.get(m.node, 0.0))
         cards.append(full)
         # The chunked loss's peak is per micro-batch: with the state, not with the samples.
         final.append(replace(m, cost=replace(m.cost, cap=micro, update_seconds=update,

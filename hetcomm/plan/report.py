@@ -74,7 +74,8 @@ def _full_dict(plan: Plan) -> dict:
                        "unit_gradient_bytes": c.unit_gradient_bytes, "context_bytes": c.context_bytes,
                        "activation_bytes": c.activation_bytes, "activation_bytes_per_sample": c.activation_per_sample,
                        "held_bytes": c.held_bytes, "usable_bytes": c.usable_bytes, "free_bytes": c.free_bytes,
-                       "host_bytes": c.host_bytes, "pcie_s": c.pcie_seconds, "update_s": c.update_seconds}
+                       "host_bytes": c.host_bytes, "pcie_s": c.pcie_seconds, "update_s": c.update_seconds,
+                       "host_update_s": c.host_seconds}
                       for rank, (m, c) in enumerate(zip(plan.members, full.cards))]}
 
 
@@ -262,8 +263,9 @@ def _full_lines(plan: Plan) -> list[str]:
         lines.append(f"    update: rank {full.slowest_update} ({slowest.label}, {card.elements / full.elements:.1%}): "
                      f"PCIe {_seconds(card.pcie_seconds)} (4 B an element down, {w} B up at "
                      f"{pcie_gbs(slowest.device):g} GB/s) + its machine's CPU AdamW "
-                     f"{_seconds(card.update_seconds - card.pcie_seconds)} ({HOST_UPDATE_BYTES} B an element at "
-                     f"{HOST_BANDWIDTH_GBS:g} GB/s)")
+                     f"{_seconds(card.host_seconds)} ({HOST_UPDATE_BYTES} B an element at "
+                     f"{HOST_BANDWIDTH_GBS:g} GB/s); each unit's part stepped and copied up at its next gather, "
+                     f"overlapping the forward: {_seconds(card.update_seconds)} of it in the step")
         for host in full.host:
             lines.append(f"    host memory, machine {host.machine}: {host.used_bytes / GIB:.1f} of "
                          f"{host.limit_bytes / GIB:g} GiB pinned ({host_bytes_per_element(full.weight_dtype)} B an "
