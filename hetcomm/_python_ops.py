@@ -10,7 +10,8 @@ as the C++ ops do, before it writes anything, then runs the reference computatio
 
 Other calls (CUDA tensors with backend="native", say) reach the fallbacks that
 csrc/ops/no_kernel.cpp registers in a compiled build, here with the same checks and
-error.
+error; so do the private _set_launch_shape and _clear_launch_shape, which have no CUDA
+kernels to shape here.
 """
 
 import torch
@@ -28,6 +29,8 @@ _lib.define("cast_(Tensor[] src, Tensor(a!)[] dst) -> ()")
 _lib.define("adamw_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
             "Tensor(d!)[] copies, Tensor grad_scale, Tensor found_inf, Tensor step, float lr, float beta1, "
             "float beta2, float eps, float weight_decay) -> ()")
+_lib.define("_set_launch_shape(int blocks_per_sm, int items_per_thread) -> ()")
+_lib.define("_clear_launch_shape() -> ()")
 
 
 def _pack(src, scale, dtype):
@@ -89,6 +92,11 @@ def _unscale_no_kernel(tensors, inv_scale, found_inf):
     _no_kernel("unscale_", found_inf.device)
 
 
+def _no_cuda_kernels(op):
+    raise NotImplementedError(f"hetcomm.{op}: this build of hetcomm has no CUDA kernels, whose launch shape it "
+                              f"sets; hetcomm.info() lists the kernels it has")
+
+
 # op: its CPU kernel, and the fallback for any other device.
 _KERNELS = {
     "pack": (_pack, _pack_no_kernel),
@@ -101,3 +109,6 @@ for _op, (_kernel, _fallback) in _KERNELS.items():
     _lib.impl(_op, _fallback, "CompositeExplicitAutograd")
 _lib.impl("cast_", _cast, "CompositeExplicitAutograd")
 _lib.impl("adamw_", _adamw, "CompositeExplicitAutograd")
+_lib.impl("_set_launch_shape", lambda blocks_per_sm, items_per_thread: _no_cuda_kernels("_set_launch_shape"),
+          "CompositeExplicitAutograd")
+_lib.impl("_clear_launch_shape", lambda: _no_cuda_kernels("_clear_launch_shape"), "CompositeExplicitAutograd")

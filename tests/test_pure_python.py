@@ -22,7 +22,8 @@ import hetcomm
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-OPS = ("pack.default", "pack.out", "unpack_.default", "unscale_.default", "cast_.default", "adamw_.default")
+OPS = ("pack.default", "pack.out", "unpack_.default", "unscale_.default", "cast_.default", "adamw_.default",
+       "_set_launch_shape.default", "_clear_launch_shape.default")
 
 # Makes the interpreter look like a pure-Python install: importing hetcomm._C fails
 # as it does when the file is absent.

@@ -3,12 +3,30 @@
 #include "kernels/launch_args.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 namespace hetcomm::cuda {
+namespace {
+
+// The shapes read per device and the override, behind one lock: device_launch takes it
+// on every call anyway, so checking for an override costs the normal path one branch.
+struct Shapes {
+  std::mutex mutex;
+  std::unordered_map<int, DeviceLaunch> by_device;
+  std::optional<LaunchShape> override_shape;
+};
+
+Shapes& shapes() {
+  static Shapes instance;
+  return instance;
+}
+
+}  // namespace
 
 // The kernels are memory-bound: a launch is fast when every SM keeps enough bytes in
 // flight to cover the memory latency (Little's law: bandwidth per SM x ~0.5 us, i.e.
@@ -42,24 +60,44 @@ LaunchShape launch_shape_for(int major, int minor, int max_threads_per_sm) {
 }
 
 DeviceLaunch device_launch(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, DeviceLaunch> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = cache.find(device);
-  if (found != cache.end()) {
-    return found->second;
+  Shapes& state = shapes();
+  const std::lock_guard<std::mutex> lock(state.mutex);
+  auto found = state.by_device.find(device);
+  if (found == state.by_device.end()) {
+    int major = 0;
+    int minor = 0;
+    int sms = 0;
+    int threads = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+    found = state.by_device.emplace(device, DeviceLaunch{sms, launch_shape_for(major, minor, threads)}).first;
   }
-  int major = 0;
-  int minor = 0;
-  int sms = 0;
-  int threads = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, device));
-  const DeviceLaunch launch{sms, launch_shape_for(major, minor, threads)};
-  cache.emplace(device, launch);
+  DeviceLaunch launch = found->second;
+  if (state.override_shape.has_value()) {
+    launch.shape = *state.override_shape;
+  }
   return launch;
+}
+
+void override_launch_shape(int64_t blocks_per_sm, int64_t items_per_thread) {
+  TORCH_CHECK_VALUE(blocks_per_sm >= 1 && blocks_per_sm <= kMaxBlocksPerSm,
+                    "hetcomm._set_launch_shape: blocks_per_sm must be 1 to ", kMaxBlocksPerSm, "; got ",
+                    blocks_per_sm);
+  TORCH_CHECK_VALUE(items_per_thread == 2 || items_per_thread == 4,
+                    "hetcomm._set_launch_shape: items_per_thread must be 2 or 4 (the kernels are instantiated "
+                    "for these); got ",
+                    items_per_thread);
+  Shapes& state = shapes();
+  const std::lock_guard<std::mutex> lock(state.mutex);
+  state.override_shape = LaunchShape{static_cast<int>(blocks_per_sm), static_cast<int>(items_per_thread)};
+}
+
+void clear_launch_shape_override() {
+  Shapes& state = shapes();
+  const std::lock_guard<std::mutex> lock(state.mutex);
+  state.override_shape.reset();
 }
 
 }  // namespace hetcomm::cuda

@@ -1,9 +1,11 @@
 // CUDA kernels of the hetcomm ops: validate and plan (ops/plans, ops/adamw_plan), then
 // run the segment list on the current stream (cuda/multi_tensor_cuda, cuda/adamw_cuda).
 // Scales, found_inf, sq_norm and adamw_'s step are read and written by the kernels on
-// the device: no host synchronisation.
+// the device: no host synchronisation. Also the private launch-shape override that
+// benchmarks/sweep_launch.py times the kernels under (cuda/launch_shape.h).
 #include "cuda/adamw_cuda.h"
 #include "cuda/hooks.h"
+#include "cuda/launch_shape.h"
 #include "cuda/multi_tensor_cuda.h"
 #include "ops/adamw_plan.h"
 #include "ops/plans.h"
@@ -88,6 +90,11 @@ HETCOMM_CUDA_REGISTRATION(m) {
   m.impl("unscale_", &unscale_cuda);
   m.impl("cast_", &cast_cuda);
   m.impl("adamw_", &adamw_cuda);
+}
+
+HETCOMM_CUDA_SETTINGS_REGISTRATION(m) {
+  m.impl("_set_launch_shape", &override_launch_shape);
+  m.impl("_clear_launch_shape", &clear_launch_shape_override);
 }
 
 }  // namespace hetcomm::cuda

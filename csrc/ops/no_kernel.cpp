@@ -2,7 +2,9 @@
 // device-specific kernel applies: a call whose lists are all empty (so no tensor
 // selects a device) or tensors on a device this build has no kernel for. Each runs
 // the op's checks, so the user sees the named-argument error, and otherwise says
-// which kernel is missing instead of the dispatcher's generic message.
+// which kernel is missing instead of the dispatcher's generic message. In a build
+// without CUDA kernels, the same for the launch-shape override (the CUDA build's is in
+// cuda/ops_cuda.cu, under the same dispatch key).
 #include "ops/adamw_plan.h"
 #include "ops/plans.h"
 
@@ -52,6 +54,21 @@ void adamw_no_kernel(at::TensorList grads, at::TensorList params, at::TensorList
   no_kernel("adamw_", params[0].device());
 }
 
+#ifndef HETCOMM_WITH_CUDA
+[[noreturn]] void no_cuda_kernels(const char* op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "hetcomm.", op, ": this build of hetcomm has no CUDA kernels, whose launch ",
+                              "shape it sets; hetcomm.info() lists the kernels it has");
+}
+
+void set_launch_shape_no_kernel(int64_t /*blocks_per_sm*/, int64_t /*items_per_thread*/) {
+  no_cuda_kernels("_set_launch_shape");
+}
+
+void clear_launch_shape_no_kernel() {
+  no_cuda_kernels("_clear_launch_shape");
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hetcomm, CompositeExplicitAutograd, m) {
@@ -61,6 +78,10 @@ TORCH_LIBRARY_IMPL(hetcomm, CompositeExplicitAutograd, m) {
   m.impl("unscale_", &unscale_no_kernel);
   m.impl("cast_", &cast_no_kernel);
   m.impl("adamw_", &adamw_no_kernel);
+#ifndef HETCOMM_WITH_CUDA
+  m.impl("_set_launch_shape", &set_launch_shape_no_kernel);
+  m.impl("_clear_launch_shape", &clear_launch_shape_no_kernel);
+#endif
 }
 
 }  // namespace hetcomm

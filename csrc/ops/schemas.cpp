@@ -24,4 +24,9 @@ TORCH_LIBRARY(hetcomm, m) {
       "adamw_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] copies, Tensor grad_scale, Tensor found_inf, Tensor step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay) -> ()");
+  // Private, for benchmarks/sweep_launch.py: the CUDA kernels' launch shape on every
+  // device until _clear_launch_shape(), in place of csrc/cuda/launch_shape.cu's table.
+  // items_per_thread: 2 or 4; blocks_per_sm: 1 to 32, capped at what an SM keeps resident.
+  m.def("_set_launch_shape(int blocks_per_sm, int items_per_thread) -> ()");
+  m.def("_clear_launch_shape() -> ()");
 }

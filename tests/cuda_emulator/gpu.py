@@ -11,6 +11,7 @@ from . import build
 
 # Thread (and block) orders: the run's schedule, and the runtime's value for it.
 SCHEDULES = {"in-order": 0, "reversed": 1, "shuffled": 7}
+MAX_RECENT_LAUNCHES = 64  # kMaxRecentLaunches in src/runtime_control.h
 
 
 class TableCacheStats(NamedTuple):
@@ -23,6 +24,14 @@ class TableCacheStats(NamedTuple):
     last_launches: int  # of the last call's multi-tensor or adamw_ walk
 
 
+class Launch(NamedTuple):
+    """One kernel launch as the emulator ran it."""
+
+    grid: int    # blocks
+    block: int   # threads per block
+    kernel: int  # the kernel's address: equal for one instance of a kernel template, else not
+
+
 class EmulatedGpu:
     def __init__(self, name: str, library: Path):
         self.name = name
@@ -31,13 +40,17 @@ class EmulatedGpu:
         self._lib.hetemu_set_schedule.argtypes = [ctypes.c_uint]
         self._lib.hetemu_launches.restype = ctypes.c_longlong
         self._lib.hetemu_table_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
+        self._lib.hetemu_take_recent_launches.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
+        self._lib.hetemu_take_recent_launches.restype = ctypes.c_int
 
     @contextlib.contextmanager
     def running(self, schedule: str = "in-order"):
-        """While open, the hetcomm ops on CPU tensors run this GPU's CUDA kernels. It
-        opens with an empty table cache, as a new process would: the schedules of a test
-        share one library, and freed tensors' addresses come back, so a list left by an
-        earlier test could otherwise make a first call a second."""
+        """While open, the hetcomm ops on CPU tensors run this GPU's CUDA kernels, and
+        torch.ops.hetcomm._set_launch_shape/_clear_launch_shape set their launch shape.
+        It opens with an empty table cache and the table's launch shape, as a new process
+        would: the schedules of a test share one library, and freed tensors' addresses
+        come back, so a list left by an earlier test could otherwise make a first call a
+        second."""
         import hetcomm  # noqa: F401  (defines the ops that the kernels are bound to)
 
         self.clear_table_cache()
@@ -54,6 +67,13 @@ class EmulatedGpu:
     def launches(self) -> int:
         """Kernel launches so far."""
         return self._lib.hetemu_launches()
+
+    def take_recent_launches(self) -> list[Launch]:
+        """The launches since the previous call (at most the last 64), oldest first."""
+        fields = len(Launch._fields)
+        values = (ctypes.c_longlong * (fields * MAX_RECENT_LAUNCHES))()
+        count = self._lib.hetemu_take_recent_launches(values)
+        return [Launch(*values[i * fields:(i + 1) * fields]) for i in range(count)]
 
     def table_cache_stats(self) -> TableCacheStats:
         values = (ctypes.c_longlong * len(TableCacheStats._fields))()

@@ -21,6 +21,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if !defined(__x86_64__) || !defined(__linux__)
@@ -137,6 +138,7 @@ StackPool g_stacks;
 std::mutex g_launch_mutex;
 unsigned int g_schedule = 0;
 long long g_launches = 0;
+std::vector<LaunchRecord> g_recent_launches;
 
 std::string block_name() {
   char text[64];
@@ -387,6 +389,11 @@ void run_grid(const LaunchConfig& config, void (*body)(void*), void* context) {
                              std::to_string(threads) + " threads per block; at most 1024");
   }
   ++g_launches;
+  if (g_recent_launches.size() == static_cast<std::size_t>(kMaxRecentLaunches)) {
+    g_recent_launches.erase(g_recent_launches.begin());
+  }
+  g_recent_launches.push_back({1ll * grid.x * grid.y * grid.z, static_cast<long long>(threads),
+                               reinterpret_cast<std::uintptr_t>(config.kernel)});
 
   Block& b = g_block;
   const int n = static_cast<int>(threads);
@@ -438,6 +445,11 @@ void set_schedule(unsigned int schedule) {
 
 long long launch_count() {
   return g_launches;
+}
+
+std::vector<LaunchRecord> take_recent_launches() {
+  const std::lock_guard<std::mutex> lock(g_launch_mutex);
+  return std::exchange(g_recent_launches, {});
 }
 
 }  // namespace hetemu

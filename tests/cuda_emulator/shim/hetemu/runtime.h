@@ -70,6 +70,7 @@ T shfl_down_sync(unsigned int mask, T value, unsigned int delta, int width, cons
 struct LaunchConfig {
   dim3 grid, block;
   const char* kernel_name;  // as launched, with the file and line of the launch
+  const void* kernel;       // which instance of a kernel template ran (src/module.cpp reports it)
 };
 
 // Runs body(context) as every thread of every block of the grid; throws
@@ -82,7 +83,7 @@ template <typename... Params>
 class Launch {
  public:
   Launch(void (*kernel)(Params...), dim3 grid, dim3 block, const char* name)
-      : kernel_(kernel), config_{grid, block, name} {}
+      : kernel_(kernel), config_{grid, block, name, reinterpret_cast<const void*>(kernel)} {}
 
   template <typename... Args>
   void operator()(Args&&... args) const {
