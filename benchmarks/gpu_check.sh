@@ -8,9 +8,12 @@
 #      tree for TORCH_CUDA_ARCH_LIST="7.5+PTX": the GPU then runs the legacy-targeted
 #      build through its compute_75 PTX, JIT-compiled by the driver; tests and benchmarks
 #      again, labelled "ptx-7.5";
-#   5. benchmarks/gpu_shard.py: the sharded optimizer state on emulated 11 GB cards (state
+#   5. benchmarks/sweep_launch.py on the native build: every op's launch shapes (blocks per
+#      SM x items per thread), each checked against the reference, then timed against the
+#      same run's copy at 256M elements in 100 tensors (sweep_launch_<gpu>.md/.json);
+#   6. benchmarks/gpu_shard.py: the sharded optimizer state on emulated 11 GB cards (state
 #      bytes, step time, the memory probe; four ranks on the one GPU as 11/11/11/32 GB);
-#   6. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
+#   7. with at least MAX_BATCH_MIN_S seconds left (default 150), benchmarks/gpu_max_batch.py:
 #      the largest BERT micro-batch on emulated 12 and 16 GB cards against the planner's
 #      cap (needs transformers; it stops starting cases 30 s before the budget ends, and
 #      when the budget's timeout cuts a case short it still writes the cases measured).
@@ -23,7 +26,7 @@
 #
 #   BUDGET_S=540 OUT=/tmp/gc bash benchmarks/gpu_check.sh; tar czf "$OUT/gpu_check.tgz" -C /tmp/gc .
 #
-# PARTS (default "tests bench ptx shard max_batch") names the steps to run after the
+# PARTS (default "tests bench sweep ptx shard max_batch") names the steps to run after the
 # native build, e.g. PARTS="tests shard" when device time is short.
 #
 # Exit status: 0 when every build and test passed (benchmark targets are reported, not
@@ -40,7 +43,7 @@ LOG="$OUT/gpu_check.log"
 START=$(date +%s)
 FAILED=()
 
-PARTS=${PARTS:-tests bench ptx shard max_batch}
+PARTS=${PARTS:-tests bench sweep ptx shard max_batch}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 remaining() { echo $((BUDGET_S - ($(date +%s) - START))); }
 section() { printf '\n=== %s (%ss elapsed)\n' "$1" "$(($(date +%s) - START))" | tee -a "$LOG"; }
@@ -106,6 +109,11 @@ CAPABILITY=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capab
 cat "$OUT/environment.txt" | tee -a "$LOG"
 
 check "$ROOT" native "$CAPABILITY"
+
+if want sweep; then
+  section "launch-shape sweep (native)"
+  run sweep "$ROOT" env PYTHONPATH="$ROOT" "$PY" benchmarks/sweep_launch.py --out "$OUT"
+fi
 
 if want shard; then
   section "sharded state on emulated cards"

@@ -35,6 +35,14 @@ Shapes& shapes() {
 // registers (ptxas -v), so an SM keeps 1024-1536 of their threads resident whatever
 // it could hold; blocks_per_sm asks for the SM's thread capacity and the launcher caps
 // it at what the compiled kernel can keep resident, so that the grid is one wave.
+//
+// These entries are reasoned, not measured: the only GPU run so far (an H200, sm_90,
+// benchmarks/results/ops_cuda_h200.md) took the default branch's {8, 2} and reached
+// 33-81% of the same run's copy bandwidth at 256M elements. benchmarks/sweep_launch.py
+// times every op over blocks per SM x items per thread against the same run's copy:
+// once it has run on a GPU, re-derive this table from its result (the bytes in flight
+// per SM that reach copy bandwidth there, against each card's bandwidth-latency
+// product, since the legacy cards themselves are not lent) and name the result here.
 LaunchShape launch_shape_for(int major, int minor, int max_threads_per_sm) {
   switch (major * 10 + minor) {
     case 60:  // P100: 56 SMs, 732 GB/s (~13 GB/s per SM), 2048 threads/SM. 2 items on
