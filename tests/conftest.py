@@ -194,8 +194,33 @@ SHARED_RUNS = {"test_two_nodes", "test_faults", "test_integration_lightning", "t
                "test_shard", "test_reducer", "test_reducer_expected", "test_ddp_hook"}
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
         if module in SHARED_RUNS:
             item.add_marker(pytest.mark.xdist_group(module))
+    if getattr(config.option, "loadgroup", False):   # a pytest-xdist worker under --dist loadgroup
+        for item in items:
+            group_by_nodeid(item)
+
+
+def group_by_nodeid(item) -> None:
+    """What pytest-xdist's worker does for --dist loadgroup, done again after the marks
+    above: the nodeid of a test marked xdist_group(name) ends in "@name", which its
+    scheduler groups by. xdist's own hook runs before this conftest's, so it missed the
+    marks added here; and xdist 3.8 sets item._nodeid, which pytest 9.2 no longer reads
+    (its nodeid is str(item._id)), so it missed every mark there: each group's tests were
+    dealt to both workers, and both ran the module's fixtures."""
+    names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                    for mark in item.iter_markers("xdist_group")})
+    if not names or item.nodeid.endswith("@" + "_".join(names)):
+        return
+    nodeid = f"{item.nodeid}@{'_'.join(names)}"
+    try:
+        from _pytest.nodeid import NodeId   # pytest >= 9.2
+    except ImportError:
+        item._nodeid = nodeid
+    else:
+        item._id = NodeId.parse(nodeid)
+    assert item.nodeid == nodeid, f"could not group {item.nodeid} for pytest-xdist"
