@@ -192,7 +192,19 @@ def test_the_docs_hold_commands():
     assert (ROOT / "docs").is_dir()
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
+def is_loop_example(block: Block) -> bool:
+    """The complete hetcomm.loop program of the guide, whose run two tests check."""
+    return (block.path.name == "guide.md" and block.lang == "python" and "BalancedLoop(" in block.code
+            and "launch(main)" in block.code)
+
+
+# The two tests of the loop example share its run (run_block), so they go to one worker of
+# `make test`'s pytest-xdist (--dist loadgroup): on two, each ran it (15-25 s).
+LOOP_EXAMPLE = pytest.mark.xdist_group("docs_loop_example")
+
+
+@pytest.mark.parametrize("block", [pytest.param(block, marks=[LOOP_EXAMPLE] if is_loop_example(block) else [])
+                                   for block in BLOCKS], ids=[block.id for block in BLOCKS])
 def test_a_documented_block_runs(block, tmp_path_factory):
     assert not block.marker_misplaced, (
         f"{block.id}: the <!-- not run: ... --> comment must be the line directly above the fence")
@@ -209,12 +221,12 @@ def test_a_documented_block_runs(block, tmp_path_factory):
 
 def loop_example() -> Block:
     """The complete hetcomm.loop program of the guide."""
-    matches = [block for block in BLOCKS if block.path.name == "guide.md" and block.lang == "python"
-               and "BalancedLoop(" in block.code and "launch(main)" in block.code]
+    matches = [block for block in BLOCKS if is_loop_example(block)]
     assert len(matches) == 1, "docs/guide.md should hold one complete BalancedLoop program"
     return matches[0]
 
 
+@LOOP_EXAMPLE
 def test_the_loop_example_learns(tmp_path_factory):
     """Beyond running: the guide's loop example learns and deals the whole global batch."""
     block = loop_example()
