@@ -95,21 +95,30 @@ def finish(job: subprocess.Popen) -> str:
     return err
 
 
+STEPS = 24   # of the torchrun jobs that faults interrupt
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    """The final weights of the torchrun job of STEPS steps run through uninterrupted:
+    where every interrupted one must end."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    finish(torchrun(tmp_path, tmp_path / "out", STEPS))
+    return final_weights(tmp_path / "out")
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
-def test_a_torchrun_job_with_a_worker_killed_twice_ends_as_an_uninterrupted_run(tmp_path):
-    straight = tmp_path / "straight"
-    finish(torchrun(tmp_path, straight, 24))
+def test_a_torchrun_job_with_a_worker_killed_twice_ends_as_an_uninterrupted_run(tmp_path, straight):
     out = tmp_path / "killed"
-    job = torchrun(tmp_path, out, 24)
+    job = torchrun(tmp_path, out, STEPS)
     for kill in (1, 2):
         wait_for_steps(out, 7 * kill, job)
         os.kill(workers(job.pid)[-1], signal.SIGKILL)
         time.sleep(1)   # torchrun restarts the workers; the log is cut back to the checkpoint
     err = finish(job)
     assert err.count("hetcomm train: resuming from") == 2 and "Traceback" not in err
-    assert logged_steps(out) == list(range(24))   # every step once: the killed runs' later lines cut
-    expected = final_weights(straight)
-    assert all(torch.equal(t, expected[name]) for name, t in final_weights(out).items())
+    assert logged_steps(out) == list(range(STEPS))   # every step once: the killed runs' later lines cut
+    assert all(torch.equal(t, straight[name]) for name, t in final_weights(out).items())
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
@@ -140,24 +149,21 @@ def test_a_killed_torchrun_agent_takes_its_workers_along_and_holds_out_till_then
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
-def test_sigterm_stops_every_rank_after_one_step_and_the_same_command_resumes(tmp_path):
-    straight = tmp_path / "straight"
-    finish(torchrun(tmp_path, straight, 12))
+def test_sigterm_stops_every_rank_after_one_step_and_the_same_command_resumes(tmp_path, straight):
     out = tmp_path / "preempted"
-    job = torchrun(tmp_path, out, 12)
+    job = torchrun(tmp_path, out, STEPS)
     wait_for_steps(out, 4, job)
     for worker in workers(job.pid):   # a scheduler preempting the job signals every process
         os.kill(worker, signal.SIGTERM)
     finish(job)
     stopped = checkpoint.checkpoints(out)[0]
     step = torch.load(stopped, weights_only=True)["step"]
-    assert 4 <= step < 12   # the step every rank agreed to stop after
+    assert 4 <= step < STEPS   # the step every rank agreed to stop after
     assert not (out / "summary.json").exists()
-    err = finish(torchrun(tmp_path, out, 12))
+    err = finish(torchrun(tmp_path, out, STEPS))
     assert f"resuming from {stopped}" in err
-    assert logged_steps(out) == list(range(12))
-    expected = final_weights(straight)
-    assert all(torch.equal(t, expected[name]) for name, t in final_weights(out).items())
+    assert logged_steps(out) == list(range(STEPS))
+    assert all(torch.equal(t, straight[name]) for name, t in final_weights(out).items())
 
 
 def unfinished_run(rank, world, config):
