@@ -10,6 +10,7 @@ part of what the reducer may add."""
 
 import functools
 import math
+import os
 import time
 from datetime import timedelta
 
@@ -447,11 +448,14 @@ def test_bf16_wire_refused_on_gloo(ranks):
     assert kind == "ValueError" and "Gloo backend cannot all-reduce bfloat16" in message
 
 
-def absent_rank(rank, world):
-    """Rank 1 never calls reduce; rank 0 must give up with a clear error."""
+def absent_rank(rank, world, gave_up):
+    """Rank 1 never calls reduce: it stays away until rank 0 is done (the file gave_up
+    exists), 8 s at most; rank 0 must give up with a clear error."""
     model = TinyNet()
     if rank == 1:
-        time.sleep(8)
+        deadline = time.monotonic() + 8
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "absent"
     reducer = hetcomm.WeightedReducer(model.parameters(), timeout=timedelta(seconds=2))
     local_backward(model, rank, [2, 2])
@@ -460,11 +464,13 @@ def absent_rank(rank, world):
         reducer.reduce(weight=0.5)
     except hetcomm.comm.CollectiveTimeout as error:
         return "timeout", time.monotonic() - start, str(error)
+    finally:
+        open(gave_up, "w").close()
     return "returned"
 
 
 def test_missing_rank_times_out_clearly(tmp_path):
-    results = values(run_ranks(2, absent_rank, tmp_path=tmp_path))
+    results = values(run_ranks(2, absent_rank, str(tmp_path / "gave-up"), tmp_path=tmp_path))
     kind, waited, message = results[0]
     assert kind == "timeout" and waited < 6
     assert "not every rank answered within 2 s" in message and "layout check" in message
