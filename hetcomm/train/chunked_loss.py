@@ -58,3 +58,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                                targets[start:start + chunk_tokens], use_reentrant=False)
                     for start in range(0, tokens, chunk_tokens))
     return total / tokens if reduction == "mean" else total
+
+
+def head_and_loss(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor | None, reduction: str,
+                  checkpointing: bool, chunk_tokens: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What GPT's and Llama's forward return from their final hidden states: (logits,
+    loss), the loss None without targets; checkpointing (with autograd on), the loss a
+    chunk at a time and no logits."""
+    if targets is not None and checkpointing and torch.is_grad_enabled():
+        return None, chunked_cross_entropy(hidden, head.weight, targets, reduction, chunk_tokens)
+    logits = head(hidden)
+    if targets is None:
+        return logits, None
+    return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)

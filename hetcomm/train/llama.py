@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetcomm.train.chunked_loss import chunked_cross_entropy
+from hetcomm.train.chunked_loss import head_and_loss
 
 INTERMEDIATE_MULTIPLE = 64
 
@@ -212,14 +212,7 @@ class Llama(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        x = self.norm(x)
-        if targets is not None and self.checkpointing and torch.is_grad_enabled():
-            return None, chunked_cross_entropy(x, self.head.weight, targets, reduction, self.loss_chunk_tokens)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
-        return logits, loss
+        return head_and_loss(self.norm(x), self.head, targets, reduction, self.checkpointing, self.loss_chunk_tokens)
 
 
 # --- Hugging Face transformers' LlamaForCausalLM -----------------------------------------

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetcomm.train.chunked_loss import chunked_cross_entropy
+from hetcomm.train.chunked_loss import head_and_loss
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,4 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        x = self.ln_f(x)
-        if targets is not None and self.checkpointing and torch.is_grad_enabled():
-            return None, chunked_cross_entropy(x, self.head.weight, targets, reduction, self.loss_chunk_tokens)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
-        return logits, loss
+        return head_and_loss(self.ln_f(x), self.head, targets, reduction, self.checkpointing, self.loss_chunk_tokens)
